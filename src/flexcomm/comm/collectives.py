@@ -1,0 +1,43 @@
+"""The collectives flexcomm exchanges gradients with, over a torch.distributed group.
+
+Each function launches exactly one collective.  The ones whose result is needed before
+anything else can happen (the AR-Topk index broadcast) block; the others return a
+``torch.futures.Future`` so that DDP can overlap them with the rest of backward.
+Nothing here waits inside a future's callback: with gloo, callbacks run on the process
+group's worker threads, and a collective awaited there can starve the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
+    """Sum ``tensor`` in place across ranks; the future's value is ``tensor``."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda _: tensor)
+
+
+def allgather(message: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
+    """Concatenate every rank's equally sized flat ``message``; the value is the concatenation."""
+    gathered = message.new_empty(message.numel() * world_size(group))
+    work = _allgather_single(gathered, message, group=group, async_op=True)
+    return work.get_future().then(lambda _: gathered)
+
+
+def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Blocking broadcast of ``tensor`` from group rank ``src_group_rank``, in place."""
+    src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor

@@ -1,0 +1,383 @@
+"""The DDP communication hook: flexcomm's public entry point.
+
+Usage, like PyTorch's PowerSGD hook::
+
+    state = flexcomm.FlexState(process_group=None, compressor="artopk-star", density=0.01)
+    ddp_model.register_comm_hook(state, flexcomm.hook)
+
+For every DDP bucket (N ranks, M elements, k = max(1, ceil(density * M))) rank i forms
+the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
+
+``dense``        allreduce ``a_i``; the update is ``sum_i a_i / N``; no residual.
+``agtopk``       rank i sends its own top-k ``(values, indices)`` of ``|a_i|`` in one
+                 allgather; the update is the sum of the N sparse vectors over N.
+``mstopk``       as ``agtopk``, but the k indices come from MSTopk's multi-round
+                 threshold search instead of an exact top-k.
+``artopk-star``  one index-source rank r picks the top-k indices I of ``|a_r|`` and
+                 broadcasts them; every rank allreduces ``a_i[I]``; the update is
+                 ``sum_i a_i[I] / N`` at I, zero elsewhere.  r = step mod N.
+``artopk-var``   as ``artopk-star``, with r = the rank whose EWMA of a gradient statistic
+                 (L2 norm of ``a_i`` by default, or its variance) is largest, ties to the
+                 lowest rank.  Each rank's statistic rides along in the values' allreduce
+                 (N extra slots), so every rank holds the same EWMAs and picks the same r
+                 at the next step with no extra collective.
+
+Error feedback: the new residual is ``e_i = a_i`` with the sent indices zeroed, so what
+rank i contributed plus its residual equals ``a_i``.  A non-finite ``a_i`` on any rank
+turns the exchanged values into NaN on every rank (so ``torch.amp.GradScaler`` sees it and
+skips the step) and every rank keeps its previous residual.
+"""
+
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexcomm.comm import allgather, allreduce_sum, broadcast_from
+from flexcomm.compress import ResidualMemory, TopkWorkspace, k_for, mstopk_indices, pack, topk_indices, unpack_all
+from flexcomm.compress.memory import Layout
+from flexcomm.compress.mstopk import DEFAULT_ROUNDS
+
+COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var")
+VAR_STATISTICS = ("norm", "variance")
+_STATE_FORMAT = 1
+
+
+@dataclass
+class BucketRecord:
+    """What one bucket's exchange did at one step.
+
+    ``bytes_sent`` is the payload of the collectives this rank took part in (what the
+    backend was handed), not wire bytes, which depend on the collective's algorithm.
+    ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.
+    """
+
+    step: int
+    bucket: int
+    numel: int
+    exchange: str
+    k: int
+    leader: int
+    t_compress: float
+    t_exchange: float
+    bytes_sent: int
+    gain: float
+    finite: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class FlexState:
+    """Everything the hook keeps between calls: configuration, residuals, counters, records.
+
+    Args:
+        process_group: the group to communicate over (``None``: the default group).
+        compressor: one of :data:`COMPRESSORS`.
+        density: fraction of each bucket's elements sent, in (0, 1].
+        warmup_steps: exchange dense for the first this many steps.
+        mstopk_rounds: threshold-search rounds of ``mstopk``.
+        var_statistic: ``artopk-var``'s statistic, ``"norm"`` (the authors') or ``"variance"``.
+        var_smoothing: EWMA factor ``s <- smoothing * s + (1 - smoothing) * x``, in [0, 1).
+        max_records: how many :class:`BucketRecord` are kept until :meth:`drain_records`.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        compressor: str = "artopk-star",
+        density: float = 0.01,
+        warmup_steps: int = 0,
+        mstopk_rounds: int = DEFAULT_ROUNDS,
+        var_statistic: str = "norm",
+        var_smoothing: float = 0.9,
+        max_records: int = 100_000,
+    ) -> None:
+        if compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {compressor!r}")
+        _check_number("density", density)
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        _check_int("warmup_steps", warmup_steps, minimum=0)
+        _check_int("mstopk_rounds", mstopk_rounds, minimum=1)
+        if var_statistic not in VAR_STATISTICS:
+            raise ValueError(f"var_statistic must be one of {', '.join(VAR_STATISTICS)}; got {var_statistic!r}")
+        _check_number("var_smoothing", var_smoothing)
+        if not 0.0 <= var_smoothing < 1.0:
+            raise ValueError(f"var_smoothing must be in [0, 1), got {var_smoothing}")
+        _check_int("max_records", max_records, minimum=1)
+        self.process_group = process_group
+        self.compressor = compressor
+        self.density = float(density)
+        self.warmup_steps = warmup_steps
+        self.mstopk_rounds = mstopk_rounds
+        self.var_statistic = var_statistic
+        self.var_smoothing = float(var_smoothing)
+        self.step = 0
+        self.memory = ResidualMemory()
+        self.records: "deque[BucketRecord]" = deque(maxlen=max_records)
+        self._var_ewma: dict[int, list[float]] = {}
+        self._leader_counts: list[int] | None = None
+        self._workspaces: dict[int, TopkWorkspace] = {}
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    @property
+    def leader_counts(self) -> list[int]:
+        """How many bucket exchanges each rank was AR-Topk's index source for."""
+        if self._leader_counts is None:
+            self._leader_counts = [0] * self.world_size
+        return self._leader_counts
+
+    def drain_records(self) -> list[BucketRecord]:
+        """Return and forget the records collected since the last call."""
+        drained = list(self.records)
+        self.records.clear()
+        return drained
+
+    def leader_for(self, bucket_index: int, step: int) -> int:
+        """AR-Topk's index-source rank for a bucket at a step; the same on every rank."""
+        if self.compressor == "artopk-star":
+            return step % self.world_size
+        ewma = self._var_ewma.get(bucket_index)
+        if ewma is None:
+            return 0
+        return max(range(len(ewma)), key=lambda r: (ewma[r], -r))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals, counters and smoothed statistics, for a checkpoint."""
+        return {
+            "format": _STATE_FORMAT,
+            "compressor": self.compressor,
+            "density": self.density,
+            "world_size": self.world_size,
+            "step": self.step,
+            "memory": self.memory.state_dict(),
+            "var_ewma": {i: list(v) for i, v in self._var_ewma.items()},
+            "leader_counts": list(self.leader_counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint of another compressor or world size."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unsupported FlexState checkpoint format {state.get('format')!r}")
+        for key, mine in (("compressor", self.compressor), ("world_size", self.world_size)):
+            if state[key] != mine:
+                raise ValueError(f"checkpoint was written with {key}={state[key]!r}, this run has {key}={mine!r}")
+        self.step = int(state["step"])
+        self.memory.load_state_dict(state["memory"])
+        self._var_ewma = {int(i): list(v) for i, v in state["var_ewma"].items()}
+        self._leader_counts = list(state["leader_counts"])
+
+    def _workspace(self, bucket_index: int) -> TopkWorkspace:
+        return self._workspaces.setdefault(bucket_index, TopkWorkspace())
+
+    def _record_var_statistics(self, bucket_index: int, statistics: list[float]) -> None:
+        previous = self._var_ewma.get(bucket_index)
+        if previous is None:
+            self._var_ewma[bucket_index] = statistics
+            return
+        s = self.var_smoothing
+        self._var_ewma[bucket_index] = [s * p + (1.0 - s) * x for p, x in zip(previous, statistics)]
+
+
+def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: exchange one bucket as ``state.compressor`` says.
+
+    Returns a future holding the bucket's averaged (sparse or dense) update.
+    """
+    grad = bucket.buffer()
+    if not grad.is_floating_point():
+        raise TypeError(f"flexcomm.hook needs floating-point gradients, got dtype {grad.dtype}")
+    step = state.step
+    if bucket.is_last():
+        state.step += 1
+    if state.world_size == 1:
+        return _completed(grad)
+    ctx = _BucketContext(
+        state=state,
+        index=bucket.index(),
+        layout=tuple(tuple(p.shape) for p in bucket.parameters()),
+        step=step,
+    )
+    accumulated = state.memory.compensate(ctx.index, ctx.layout, grad)
+    compressor = state.compressor if step >= state.warmup_steps else "dense"
+    if compressor == "dense":
+        return _exchange_dense(ctx, accumulated)
+    k = k_for(accumulated.numel(), state.density)
+    if compressor in ("agtopk", "mstopk"):
+        return _exchange_allgather(ctx, accumulated, k, compressor)
+    return _exchange_artopk(ctx, accumulated, k)
+
+
+@dataclass
+class _BucketContext:
+    state: FlexState
+    index: int
+    layout: Layout
+    step: int
+
+    def record(self, **fields: Any) -> BucketRecord:
+        rec = BucketRecord(step=self.step, bucket=self.index, **fields)
+        self.state.records.append(rec)
+        return rec
+
+
+def _exchange_dense(ctx: _BucketContext, accumulated: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    state = ctx.state
+    had_residual = state.memory.residual(ctx.index) is not None
+    rec = ctx.record(
+        numel=accumulated.numel(), exchange="dense", k=accumulated.numel(), leader=-1, t_compress=0.0,
+        t_exchange=0.0, bytes_sent=accumulated.numel() * accumulated.element_size(), gain=1.0,
+    )
+    started = perf_counter()
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        total = fut.value().div_(state.world_size)
+        rec.t_exchange = perf_counter() - started
+        # Only a bucket that still carries a residual needs the (full-pass) check: a
+        # non-finite step must not wipe the residual that the skipped step would have kept.
+        if had_residual:
+            rec.finite = bool(torch.isfinite(total).all())
+            if rec.finite:
+                state.memory.forget(ctx.index)
+        return total
+
+    return allreduce_sum(accumulated, state.process_group).then(finish)
+
+
+def _exchange_allgather(ctx: _BucketContext, accumulated: torch.Tensor, k: int, compressor: str) -> torch.futures.Future[torch.Tensor]:
+    state = ctx.state
+    started = perf_counter()
+    norm, finite = _norm_and_finiteness(accumulated)
+    if compressor == "mstopk":
+        indices = mstopk_indices(accumulated, k, state.mstopk_rounds)
+    else:
+        indices = topk_indices(accumulated, k, state._workspace(ctx.index))
+    values = _contributed_values(accumulated, indices, finite)
+    gain = _gain(values, norm)
+    # MSTopk may find fewer than k; pad the message with zero values at index 0 so that
+    # every rank's message has the same size (adding zeros changes nothing).
+    padding = k - indices.numel()
+    message = pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
+    rec = ctx.record(
+        numel=accumulated.numel(), exchange="allgather", k=k, leader=-1, t_compress=perf_counter() - started,
+        t_exchange=0.0, bytes_sent=message.numel(), gain=gain,
+    )
+    launched = perf_counter()
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        all_values, all_indices = unpack_all(fut.value(), state.world_size, k, accumulated.dtype)
+        rec.t_exchange = perf_counter() - launched
+        rec.finite = bool(torch.isfinite(all_values).all())
+        if rec.finite:
+            state.memory.update(ctx.index, ctx.layout, accumulated, indices)
+        accumulated.zero_()
+        accumulated.index_add_(0, all_indices, all_values.div_(state.world_size))
+        return accumulated
+
+    return allgather(message, state.process_group).then(finish)
+
+
+def _exchange_artopk(ctx: _BucketContext, accumulated: torch.Tensor, k: int) -> torch.futures.Future[torch.Tensor]:
+    state = ctx.state
+    world = state.world_size
+    leader = state.leader_for(ctx.index, ctx.step)
+    state.leader_counts[leader] += 1
+    started = perf_counter()
+    norm, finite = _norm_and_finiteness(accumulated)
+    if state.rank == leader:
+        indices = topk_indices(accumulated, k, state._workspace(ctx.index))
+    else:
+        indices = torch.empty(k, dtype=torch.int32, device=accumulated.device)
+    t_compress = perf_counter() - started
+
+    launched = perf_counter()
+    broadcast_from(indices, leader, state.process_group)
+    values = _contributed_values(accumulated, indices, finite)
+    gain = _gain(values, norm)
+    with_statistics = state.compressor == "artopk-var"
+    if with_statistics:
+        slots = values.new_zeros(world)
+        # Clamped to the dtype's range: an fp16 norm can overflow while a_i is finite.
+        slots[state.rank] = min(_var_statistic(accumulated, norm, state.var_statistic), torch.finfo(values.dtype).max)
+        values = torch.cat([values, slots])
+    rec = ctx.record(
+        numel=accumulated.numel(), exchange="artopk", k=k, leader=leader, t_compress=t_compress, t_exchange=0.0,
+        bytes_sent=indices.numel() * indices.element_size() + values.numel() * values.element_size(), gain=gain,
+    )
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()
+        rec.t_exchange = perf_counter() - launched
+        rec.finite = bool(torch.isfinite(reduced).all())
+        if rec.finite:
+            state.memory.update(ctx.index, ctx.layout, accumulated, indices)
+            if with_statistics:
+                state._record_var_statistics(ctx.index, reduced[k:].double().tolist())
+        accumulated.zero_()
+        accumulated[indices.long()] = reduced[:k].div_(world)
+        return accumulated
+
+    return allreduce_sum(values, state.process_group).then(finish)
+
+
+def _norm_and_finiteness(a: torch.Tensor) -> tuple[float, bool]:
+    """``||a||_2`` (accumulated in fp32) and whether ``a`` is all finite, in one pass.
+
+    A finite norm proves every element finite; only an overflowing norm needs the
+    element-wise check.
+    """
+    norm = float(torch.linalg.vector_norm(a, dtype=torch.float32))
+    finite = math.isfinite(norm) or bool(torch.isfinite(a).all())
+    return norm, finite
+
+
+def _contributed_values(a: torch.Tensor, indices: torch.Tensor, finite: bool) -> torch.Tensor:
+    values = a.index_select(0, indices)
+    if not finite:
+        # Make the whole exchanged update non-finite on every rank, so that every rank
+        # sees it (GradScaler skips the step) and every rank keeps its old residual.
+        values.fill_(float("nan"))
+    return values
+
+
+def _gain(values: torch.Tensor, norm: float) -> float:
+    if norm == 0.0 or not math.isfinite(norm):
+        return 0.0 if norm == 0.0 else float("nan")
+    return float(torch.linalg.vector_norm(values, dtype=torch.float32)) / norm
+
+
+def _var_statistic(a: torch.Tensor, norm: float, statistic: str) -> float:
+    if statistic == "norm":
+        return norm
+    return float(a.var(correction=0)) if a.numel() > 0 else 0.0
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

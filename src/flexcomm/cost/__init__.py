@@ -1,0 +1,53 @@
+"""Alpha-beta cost model of the exchanges and online estimation of alpha, beta."""
+
+from flexcomm.cost.estimator import (
+    DEFAULT_PRIOR,
+    AlphaBetaEstimator,
+    CostEstimator,
+    Observation,
+    merge_observations,
+)
+from flexcomm.cost.model import (
+    EXCHANGES,
+    GLOO_ALGORITHMS,
+    KINDS,
+    TREE_ALGORITHMS,
+    Algorithms,
+    CostParams,
+    LinkParams,
+    agtopk_time,
+    allgather_time,
+    allreduce_time,
+    artopk_time,
+    broadcast_time,
+    cheapest_exchange,
+    collective_coefficients,
+    collective_time,
+    dense_time,
+    predict_exchange_times,
+)
+
+__all__ = [
+    "DEFAULT_PRIOR",
+    "EXCHANGES",
+    "GLOO_ALGORITHMS",
+    "KINDS",
+    "TREE_ALGORITHMS",
+    "Algorithms",
+    "AlphaBetaEstimator",
+    "CostEstimator",
+    "CostParams",
+    "LinkParams",
+    "Observation",
+    "agtopk_time",
+    "allgather_time",
+    "allreduce_time",
+    "artopk_time",
+    "broadcast_time",
+    "cheapest_exchange",
+    "collective_coefficients",
+    "collective_time",
+    "dense_time",
+    "merge_observations",
+    "predict_exchange_times",
+]

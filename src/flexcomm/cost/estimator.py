@@ -1,0 +1,269 @@
+"""Online estimation of ``alpha`` and ``beta`` per collective kind from timed collectives.
+
+Model.  A collective of ``m`` bytes on ``N`` ranks takes ``t = a(N) alpha + b(N, m) beta``
+with the coefficients of :func:`flexcomm.cost.model.collective_coefficients`, so one
+estimator learns from samples of any size and any ``N``.
+
+Scaling.  ``alpha`` (~1e-4 s) and ``beta`` (~1e-9 s/byte) differ by five orders of magnitude
+and timing noise is roughly proportional to the time, so each sample is rewritten in units
+of the prior ``(alpha0, beta0)``: with ``A = a alpha0``, ``B = b beta0``, ``s = A + B``,
+``u = alpha / alpha0`` and ``v = beta / beta0``,
+
+    y = t / s = x_u u + x_v v,    x = (A / s, B / s),  x_u + x_v = 1.
+
+Least squares on these rows minimises the *relative* error of the predictions, and the
+features stay in [0, 1] whatever the message size.
+
+Forgetting.  With factor ``lam`` the estimate after ``n`` samples minimises
+
+    sum_i lam^(n-i) (y_i - x_i . theta)^2  +  p_n ||theta - (1, 1)||^2,   theta = (u, v) >= 0,
+
+i.e. recursive least squares with exponential forgetting.  The sums ``S = sum w x x^T`` and
+``r = sum w x y`` are kept (5 floats); each sample multiplies them by ``lam`` and adds its
+own term, so a sample's weight halves every ``ln 2 / -ln lam`` samples (23 at 0.97).
+The prior term ``p_n = max(lam^n p_0, p_floor)`` (the prior is worth ``p_0`` samples at the
+start) settles ``theta`` before two independent samples exist, fades like the data, and its
+tiny floor keeps the 2x2 system solvable when only one message size is ever observed.
+
+Constraint.  ``theta >= 0`` is solved exactly (two-variable non-negative least squares:
+the unconstrained solution if feasible, else the better of the two one-variable fits on
+the faces ``u = 0`` and ``v = 0``), not by clipping.
+
+Agreement across ranks.  The arithmetic is plain Python floats in a fixed order, so
+estimators fed identical samples in identical order hold bitwise identical state.  The
+communication layer should (1) time each collective locally, (2) combine the per-rank
+times with MAX -- the collective is done when its slowest rank is, and a broadcast timed at
+its root alone is meaningless -- e.g. one ``all_reduce(MAX)`` of a small tensor of times
+per step, or :func:`merge_observations` after an allgather of the sample lists, and (3) feed
+the merged samples to every rank's estimator in the same order.  Broadcasting rank 0's
+``state_dict`` is the alternative when ranks may have diverged (e.g. after a restore).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from flexcomm.cost.model import (
+    GLOO_ALGORITHMS,
+    KINDS,
+    Algorithms,
+    CollectiveKind,
+    CostParams,
+    LinkParams,
+    collective_coefficients,
+    validate_algorithm,
+)
+
+#: Prior before any sample: alpha = 100 us (a 1-float gloo allreduce between two ranks
+#: takes 0.2-0.4 ms here, i.e. two latency terms) and 1 Gbit/s.
+DEFAULT_PRIOR = LinkParams.from_bandwidth(1e-4, 1e9)
+STATE_VERSION = 1
+
+
+class Observation(NamedTuple):
+    """One timed collective: ``seconds`` for ``nbytes`` (per rank for allgather) on ``world_size`` ranks."""
+
+    kind: CollectiveKind
+    nbytes: int
+    world_size: int
+    seconds: float
+
+
+class AlphaBetaEstimator:
+    """Exponentially forgetting, non-negative least-squares fit of ``(alpha, beta)`` for one kind.
+
+    Args:
+        kind: ``"allreduce"``, ``"allgather"`` or ``"broadcast"``.
+        forgetting: factor ``lam`` in (0, 1]; 1 keeps every sample forever.
+        algorithm: the algorithm whose coefficients apply; default gloo's (:data:`GLOO_ALGORITHMS`).
+        prior: ``(alpha0, beta0)``, both > 0; also the scale of the normalised fit.
+        prior_weight: the prior's worth in samples at the start.
+        prior_floor: the prior's weight never decays below this.
+    """
+
+    def __init__(
+        self,
+        kind: CollectiveKind,
+        forgetting: float = 0.97,
+        algorithm: str | None = None,
+        prior: LinkParams = DEFAULT_PRIOR,
+        prior_weight: float = 1.0,
+        prior_floor: float = 1e-9,
+    ) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if not (prior.alpha > 0.0 and prior.beta > 0.0):
+            raise ValueError("prior alpha and beta must be > 0 (they set the fit's scale)")
+        if not 0.0 < prior_floor <= prior_weight:
+            raise ValueError("need 0 < prior_floor <= prior_weight")
+        self.kind = kind
+        self.algorithm = algorithm if algorithm is not None else GLOO_ALGORITHMS.of(kind)
+        validate_algorithm(kind, self.algorithm)
+        self.forgetting = forgetting
+        self.prior = prior
+        self.prior_floor = prior_floor
+        self._prior_weight = prior_weight
+        self._s = [0.0, 0.0, 0.0]  # S_uu, S_uv, S_vv
+        self._r = [0.0, 0.0]  # r_u, r_v
+        self.count = 0
+
+    def observe(self, nbytes: int, world_size: int, seconds: float) -> None:
+        """Add one timed collective.  ``world_size == 1`` carries no information and is ignored."""
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
+        a, b = collective_coefficients(self.kind, self.algorithm, nbytes, world_size)
+        scale = a * self.prior.alpha + b * self.prior.beta
+        if scale == 0.0:
+            return
+        xu = a * self.prior.alpha / scale
+        xv = b * self.prior.beta / scale
+        y = seconds / scale
+        lam = self.forgetting
+        s, r = self._s, self._r
+        s[0] = lam * s[0] + xu * xu
+        s[1] = lam * s[1] + xu * xv
+        s[2] = lam * s[2] + xv * xv
+        r[0] = lam * r[0] + xu * y
+        r[1] = lam * r[1] + xv * y
+        self._prior_weight = max(lam * self._prior_weight, self.prior_floor)
+        self.count += 1
+
+    @property
+    def params(self) -> LinkParams:
+        """Current estimate of ``(alpha, beta)``, both >= 0."""
+        u, v = self._solve()
+        return LinkParams(u * self.prior.alpha, v * self.prior.beta)
+
+    def predict(self, nbytes: int, world_size: int) -> float:
+        """Predicted seconds of one collective under the current estimate."""
+        a, b = collective_coefficients(self.kind, self.algorithm, nbytes, world_size)
+        link = self.params
+        return a * link.alpha + b * link.beta
+
+    def _solve(self) -> tuple[float, float]:
+        """Minimise ``theta^T M theta - 2 c^T theta`` over ``theta >= 0`` (``M`` is positive definite)."""
+        p = self._prior_weight
+        muu, muv, mvv = self._s[0] + p, self._s[1], self._s[2] + p
+        cu, cv = self._r[0] + p, self._r[1] + p
+        det = muu * mvv - muv * muv
+        u = (mvv * cu - muv * cv) / det
+        v = (muu * cv - muv * cu) / det
+        if u >= 0.0 and v >= 0.0:
+            return u, v
+        on_v0 = (max(0.0, cu / muu), 0.0)
+        on_u0 = (0.0, max(0.0, cv / mvv))
+
+        def objective(theta: tuple[float, float]) -> float:
+            tu, tv = theta
+            return muu * tu * tu + 2.0 * muv * tu * tv + mvv * tv * tv - 2.0 * (cu * tu + cv * tv)
+
+        return on_v0 if objective(on_v0) <= objective(on_u0) else on_u0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain, picklable state (floats, ints, strings, lists) for checkpoints."""
+        return {
+            "version": STATE_VERSION,
+            "kind": self.kind,
+            "algorithm": self.algorithm,
+            "forgetting": self.forgetting,
+            "prior": [self.prior.alpha, self.prior.beta],
+            "prior_floor": self.prior_floor,
+            "prior_weight": self._prior_weight,
+            "s": list(self._s),
+            "r": list(self._r),
+            "count": self.count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; afterwards predictions are bitwise identical."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported estimator state version {state.get('version')!r}")
+        if state["kind"] != self.kind:
+            raise ValueError(f"state is for {state['kind']!r}, this estimator is for {self.kind!r}")
+        validate_algorithm(self.kind, state["algorithm"])
+        self.algorithm = state["algorithm"]
+        self.forgetting = float(state["forgetting"])
+        self.prior = LinkParams(*(float(x) for x in state["prior"]))
+        self.prior_floor = float(state["prior_floor"])
+        self._prior_weight = float(state["prior_weight"])
+        self._s = [float(x) for x in state["s"]]
+        self._r = [float(x) for x in state["r"]]
+        self.count = int(state["count"])
+
+
+class CostEstimator:
+    """One :class:`AlphaBetaEstimator` per collective kind, producing a :class:`CostParams`.
+
+    ``prior`` supplies each kind's starting ``(alpha, beta)`` and the algorithms whose
+    coefficients are fitted (gloo's by default).
+    """
+
+    def __init__(self, prior: CostParams | None = None, forgetting: float = 0.97, prior_weight: float = 1.0) -> None:
+        prior = prior if prior is not None else CostParams.uniform(DEFAULT_PRIOR)
+        self.estimators: dict[CollectiveKind, AlphaBetaEstimator] = {
+            kind: AlphaBetaEstimator(
+                kind,
+                forgetting=forgetting,
+                algorithm=prior.algorithms.of(kind),
+                prior=prior.link(kind),
+                prior_weight=prior_weight,
+            )
+            for kind in KINDS
+        }
+
+    def observe(self, kind: CollectiveKind, nbytes: int, world_size: int, seconds: float) -> None:
+        """Add one timed collective of ``kind``."""
+        if kind not in self.estimators:
+            raise ValueError(f"unknown collective kind {kind!r}")
+        self.estimators[kind].observe(nbytes, world_size, seconds)
+
+    def observe_all(self, observations: Iterable[Observation]) -> None:
+        """Add samples in order (feed every rank the same merged list to keep ranks identical)."""
+        for obs in observations:
+            self.observe(obs.kind, obs.nbytes, obs.world_size, obs.seconds)
+
+    @property
+    def params(self) -> CostParams:
+        """Current estimates of every kind, with the algorithms they were fitted for."""
+        est = self.estimators
+        return CostParams(
+            allreduce=est["allreduce"].params,
+            allgather=est["allgather"].params,
+            broadcast=est["broadcast"].params,
+            algorithms=Algorithms(**{kind: est[kind].algorithm for kind in KINDS}),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain, picklable state of all kinds."""
+        return {kind: est.state_dict() for kind, est in self.estimators.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of every kind."""
+        missing = set(KINDS) - set(state)
+        if missing:
+            raise ValueError(f"state lacks kinds {sorted(missing)}")
+        for kind, est in self.estimators.items():
+            est.load_state_dict(state[kind])
+
+
+def merge_observations(per_rank: Sequence[Sequence[Observation]]) -> list[Observation]:
+    """Combine every rank's samples of the same collectives into one list, time = max over ranks.
+
+    ``per_rank[i]`` is rank ``i``'s list (e.g. from ``all_gather_object``); all lists must
+    describe the same collectives in the same order.  Every rank that feeds the result to
+    its estimator ends with the same state.
+    """
+    if not per_rank:
+        return []
+    length = len(per_rank[0])
+    if any(len(samples) != length for samples in per_rank):
+        raise ValueError("ranks observed different numbers of collectives")
+    merged = []
+    for column in zip(*per_rank):
+        first = column[0]
+        if any(obs[:3] != first[:3] for obs in column):
+            raise ValueError(f"ranks disagree on a collective: {column}")
+        merged.append(first._replace(seconds=max(obs.seconds for obs in column)))
+    return merged

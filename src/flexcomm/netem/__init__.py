@@ -1,0 +1,51 @@
+"""Emulated slow networks for data-parallel jobs on one Linux machine.
+
+``parse_schedule`` (pure) turns ``"1gbit:30s,50mbit/5ms:30s,300mbit"`` into
+phases. ``EmulatedCluster`` (root only) gives each rank its own network
+namespace behind a tbf-shaped bridge, and ``ScheduleRunner`` changes the rate
+at each phase boundary while the job runs. Call ``netem_available()`` to find
+out (and say why not) before trying.
+"""
+
+from .cluster import MAX_HOSTS, SUBNET, EmulatedCluster, cleanup_stale
+from .commands import (
+    NetemCommandError,
+    NetemUnavailable,
+    netem_available,
+    tbf_args,
+    tbf_burst_bytes,
+)
+from .runner import RateChange, RateSetter, ScheduleRunner
+from .schedule import (
+    SCHEDULE_FORMAT,
+    Phase,
+    format_rate,
+    parse_delay,
+    parse_duration,
+    parse_rate,
+    parse_schedule,
+    phase_at,
+)
+
+__all__ = [
+    "EmulatedCluster",
+    "cleanup_stale",
+    "MAX_HOSTS",
+    "SUBNET",
+    "NetemCommandError",
+    "NetemUnavailable",
+    "netem_available",
+    "tbf_args",
+    "tbf_burst_bytes",
+    "RateChange",
+    "RateSetter",
+    "ScheduleRunner",
+    "SCHEDULE_FORMAT",
+    "Phase",
+    "format_rate",
+    "parse_delay",
+    "parse_duration",
+    "parse_rate",
+    "parse_schedule",
+    "phase_at",
+]

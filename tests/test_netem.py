@@ -1,0 +1,473 @@
+"""Tests for flexcomm.netem.
+
+Schedule parsing, command building and the ScheduleRunner are pure and always
+run. Everything that creates namespaces is skipped (with the reason) unless
+``netem_available()`` says this machine allows it (root, ip, tc, netns).
+Test clusters use their own prefixes (fct/fcs/fcg) so they never touch
+namespaces of other runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flexcomm.netem.commands as commands
+from flexcomm.netem import (
+    SCHEDULE_FORMAT,
+    EmulatedCluster,
+    NetemUnavailable,
+    Phase,
+    RateChange,
+    ScheduleRunner,
+    cleanup_stale,
+    format_rate,
+    netem_available,
+    parse_rate,
+    parse_schedule,
+    phase_at,
+    tbf_args,
+    tbf_burst_bytes,
+)
+from flexcomm.netem.cluster import _absolute_program
+
+# --------------------------------------------------------------------------
+# Schedule parsing
+# --------------------------------------------------------------------------
+
+
+def test_parse_example_schedule() -> None:
+    assert parse_schedule("1gbit:30s,50mbit:30s,300mbit") == [
+        Phase(1e9, 30.0, 0.0),
+        Phase(50e6, 30.0, 0.0),
+        Phase(300e6, None, 0.0),
+    ]
+
+
+@pytest.mark.parametrize("text", ["none", "NONE", " None ", "", "   ", None])
+def test_none_means_no_emulation(text: str | None) -> None:
+    assert parse_schedule(text) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [
+        ("1bit", 1.0),
+        ("1kbit", 1e3),
+        ("100mbit", 100e6),
+        ("1gbit", 1e9),
+        ("1.5Gbit", 1.5e9),
+        ("2tbit", 2e12),
+        ("1kibit", 1024.0),
+        ("1mibit", 2.0**20),
+        ("1bps", 8.0),  # tc: bps = bytes per second
+        ("1kbps", 8e3),
+        ("10mbps", 80e6),
+        ("1MBps", 8e6),  # case-insensitive, as tc
+        ("1gbps", 8e9),
+        ("1kibps", 8 * 1024.0),
+        ("1e3mbit", 1e9),
+    ],
+)
+def test_rate_units_follow_tc(text: str, bits: float) -> None:
+    assert parse_rate(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("30s", 30.0), ("2m", 120.0), ("1h", 3600.0), ("0.25s", 0.25)],
+)
+def test_duration_units(text: str, seconds: float) -> None:
+    assert parse_schedule(f"1gbit:{text},1mbit")[0].duration_s == pytest.approx(seconds)
+
+
+def test_delay_per_phase() -> None:
+    phases = parse_schedule("1gbit/5ms:30s, 50mbit/200us:1m ,300mbit/0.1s")
+    assert [p.delay_s for p in phases] == pytest.approx([5e-3, 200e-6, 0.1])
+    assert [p.duration_s for p in phases] == [30.0, 60.0, None]
+
+
+def test_whitespace_tolerated() -> None:
+    assert parse_schedule(" 1gbit : 30s , 2mbit ") == [Phase(1e9, 30.0), Phase(2e6, None)]
+
+
+def test_last_phase_may_have_duration() -> None:
+    assert parse_schedule("1gbit:1s,2gbit:2s")[-1].duration_s == 2.0
+
+
+@pytest.mark.parametrize(
+    ("text", "quoted", "why"),
+    [
+        ("1gbit:30s,fast", "'fast'", "expected a number"),
+        ("100", "'100'", "a unit is required"),
+        ("100mb", "'100mb'", "unknown unit 'mb'"),
+        ("1gbit:30", "'30'", "a unit is required"),
+        ("1gbit:30sec", "'30sec'", "unknown unit"),
+        ("1gbit,2gbit", "'1gbit'", "no duration but is not the last"),
+        ("0mbit", "'0mbit'", "must be > 0"),
+        ("-1mbit", "'-1mbit'", "expected a number"),
+        ("1gbit:0s,1mbit", "'0s'", "must be > 0"),
+        ("1gbit:30s:5s", "'1gbit:30s:5s'", "more than one ':'"),
+        ("1gbit/5ms/3ms", "'1gbit/5ms/3ms'", "more than one '/'"),
+        ("1gbit/5xs:1s", "'5xs'", "unknown unit"),
+        ("1gbit:30s,", "empty phase", "empty phase"),
+        ("1gbit:30s,,2mbit", "empty phase", "empty phase"),
+    ],
+)
+def test_bad_schedules_raise_with_context(text: str, quoted: str, why: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_schedule(text)
+    message = str(info.value)
+    assert quoted in message
+    assert why in message
+    if "must be > 0" not in why:
+        assert "RATE[/DELAY][:DURATION]" in message  # the expected format is spelled out
+
+
+def test_schedule_format_mentions_units() -> None:
+    for word in ("mbit", "kbps", "bytes", "ms", "none"):
+        assert word in SCHEDULE_FORMAT
+
+
+_phase = st.builds(
+    Phase,
+    rate_bps=st.integers(1, 10**11).map(float),
+    duration_s=st.integers(1, 10**6).map(lambda ms: ms / 1000.0),
+    delay_s=st.integers(0, 10**6).map(lambda us: us / 1e6),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_phase, min_size=1, max_size=6), st.booleans())
+def test_schedule_round_trip(phases: list[Phase], open_end: bool) -> None:
+    if open_end:
+        phases = [*phases[:-1], Phase(phases[-1].rate_bps, None, phases[-1].delay_s)]
+    text = ",".join(
+        format_rate(p.rate_bps)
+        + (f"/{round(p.delay_s * 1e6)}us" if p.delay_s else "")
+        + (f":{round(p.duration_s * 1000)}ms" if p.duration_s is not None else "")
+        for p in phases
+    )
+    parsed = parse_schedule(text)
+    assert len(parsed) == len(phases)
+    for got, want in zip(parsed, phases):
+        assert got.rate_bps == pytest.approx(want.rate_bps)
+        assert got.delay_s == pytest.approx(want.delay_s)
+        assert (got.duration_s is None) == (want.duration_s is None)
+        if want.duration_s is not None:
+            assert got.duration_s == pytest.approx(want.duration_s)
+
+
+def test_phase_at() -> None:
+    phases = parse_schedule("1gbit:10s,2mbit:5s,3mbit:1s")
+    assert phase_at([], 3.0) is None
+    assert phase_at(phases, 0.0) == phases[0]
+    assert phase_at(phases, 9.99) == phases[0]
+    assert phase_at(phases, 10.0) == phases[1]
+    assert phase_at(phases, 15.5) == phases[2]
+    assert phase_at(phases, 1e6) == phases[2]  # last phase stays in force
+
+
+# --------------------------------------------------------------------------
+# tc argument building (pure)
+# --------------------------------------------------------------------------
+
+
+def test_format_rate_whole_bits() -> None:
+    assert format_rate(50e6) == "50000000bit"
+    assert format_rate(1e10) == "10000000000bit"
+    with pytest.raises(ValueError):
+        format_rate(0.2)
+
+
+def test_tbf_burst_scales_with_rate() -> None:
+    assert tbf_burst_bytes(10e6) == 32 * 1024  # floor: >= one GSO-ish chunk
+    assert tbf_burst_bytes(1e9) == 250_000  # ~256 kB measured accurate at 1 Gbit
+    assert tbf_burst_bytes(10e9) == 2_500_000
+    assert tbf_args(1e9) == ["tbf", "rate", "1000000000bit", "burst", "250000", "latency", "50ms"]
+
+
+def test_netem_delay_args() -> None:
+    assert commands.netem_delay_args(0.005) == ["netem", "delay", "5000us"]
+
+
+# --------------------------------------------------------------------------
+# ScheduleRunner with a fake link
+# --------------------------------------------------------------------------
+
+
+class _FakeLink:
+    def __init__(self, fail_on: float | None = None) -> None:
+        self.calls: list[tuple[float, float | None]] = []
+        self.fail_on = fail_on
+
+    def set_rate(self, rate_bps: float, delay_s: float | None = None) -> None:
+        if rate_bps == self.fail_on:
+            raise RuntimeError("tc exploded")
+        self.calls.append((rate_bps, delay_s))
+
+
+def test_runner_walks_phases_in_order() -> None:
+    link = _FakeLink()
+    seen: list[RateChange] = []
+    phases = parse_schedule("1mbit/1ms:50ms,2mbit:50ms,3mbit")
+    runner = ScheduleRunner(link, phases, on_change=seen.append).start()
+    assert runner.wait(5.0)
+    runner.stop()
+    assert link.calls == [(1e6, 1e-3), (2e6, 0.0), (3e6, 0.0)]
+    assert [c.rate_bps for c in runner.changes] == [1e6, 2e6, 3e6]
+    assert seen == runner.changes
+    times = [c.time_s for c in runner.changes]
+    assert times == sorted(times)
+    assert times[2] >= 0.1 - 1e-3  # boundaries are absolute: 50 ms + 50 ms
+    assert runner.start_wall is not None
+
+
+def test_runner_stops_promptly() -> None:
+    link = _FakeLink()
+    runner = ScheduleRunner(link, parse_schedule("1mbit:60s,2mbit"))
+    with runner:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert not runner.running
+    assert time.monotonic() - t0 < 1.0
+    assert link.calls == [(1e6, 0.0)]
+
+
+def test_runner_reports_set_rate_errors() -> None:
+    runner = ScheduleRunner(_FakeLink(fail_on=2e6), parse_schedule("1mbit:10ms,2mbit"))
+    runner.start()
+    assert runner.wait(5.0)
+    with pytest.raises(RuntimeError, match="tc exploded"):
+        runner.stop()
+    runner.stop()  # the error is reported once; stop stays idempotent
+
+
+# --------------------------------------------------------------------------
+# Construction and availability (no root needed)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_hosts": 0}, "n_hosts"),
+        ({"n_hosts": 255}, "n_hosts"),
+        ({"n_hosts": 2, "prefix": "f-c"}, "prefix"),
+        ({"n_hosts": 2, "prefix": "fc1"}, "prefix"),
+        ({"n_hosts": 200, "prefix": "abcdefgh"}, "15-character"),
+        ({"n_hosts": 2, "schedule": "1gbit,2gbit"}, "no duration"),
+    ],
+)
+def test_cluster_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EmulatedCluster(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cluster_names_are_unique_and_short() -> None:
+    a, b = EmulatedCluster(3, "1gbit"), EmulatedCluster(3, "1gbit")
+    assert set(a.namespaces).isdisjoint(b.namespaces)
+    assert str(os.getpid()) in a.tag
+    for c in (a, b):
+        for i in range(3):
+            assert len(c.host_ifname(i)) <= 15 and len(c.bridge_port(i)) <= 15
+            assert c.host_addr(i) == f"10.99.0.{i + 1}"
+    with pytest.raises(IndexError):
+        a.host_addr(3)
+
+
+def test_unavailable_raises_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commands, "netem_available", lambda: (False, "needs root (test)"))
+    cluster = EmulatedCluster(2, "1gbit")
+    with pytest.raises(NetemUnavailable, match="needs root \\(test\\)"):
+        cluster.__enter__()
+    assert issubclass(NetemUnavailable, RuntimeError)
+
+
+def test_missing_reason_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "root" in (commands._missing_reason() or "")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(commands.shutil, "which", lambda name, path=None: None)
+    assert "'ip'" in (commands._missing_reason() or "")
+    with pytest.raises(NetemUnavailable, match="'tc'"):
+        commands.tool_path("tc")
+
+
+def test_command_error_includes_stderr() -> None:
+    with pytest.raises(commands.NetemCommandError) as info:
+        commands.run_cmd([sys.executable, "-c", "import sys; sys.stderr.write('boom-stderr'); sys.exit(3)"])
+    assert "boom-stderr" in str(info.value) and "exit 3" in str(info.value)
+
+
+def test_absolute_program() -> None:
+    assert _absolute_program("env").startswith("/")
+    assert _absolute_program("bin/x") == os.path.join(os.getcwd(), "bin/x")
+    assert _absolute_program("/usr/bin/env") == "/usr/bin/env"
+
+
+# --------------------------------------------------------------------------
+# Real namespaces (root only)
+# --------------------------------------------------------------------------
+
+_AVAILABLE, _REASON = netem_available()
+needs_netem = pytest.mark.skipif(not _AVAILABLE, reason=f"netem unavailable: {_REASON}")
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _assert_gone(cluster: EmulatedCluster) -> None:
+    assert _netns().isdisjoint(cluster.namespaces)
+    root_links = subprocess.run(["ip", "-o", "link"], check=True, capture_output=True, text=True).stdout
+    assert f"{cluster.prefix}{os.getpid()}" not in root_links  # nothing ever leaks into the root ns
+
+
+_ECHO_SERVER = textwrap.dedent(
+    """
+    import socket, sys
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((sys.argv[1], 29518)); srv.listen(1); srv.settimeout(10)
+    print("ready", flush=True)
+    conn, peer = srv.accept()
+    conn.sendall(conn.recv(100) + b" from " + peer[0].encode())
+    conn.close()
+    """
+)
+_ECHO_CLIENT = textwrap.dedent(
+    """
+    import os, socket, sys
+    s = socket.create_connection((sys.argv[1], 29518), timeout=10)
+    s.sendall(b"ping"); print(s.recv(100).decode(), os.environ["GLOO_SOCKET_IFNAME"], flush=True)
+    """
+)
+
+
+@needs_netem
+def test_two_hosts_talk_over_shaped_link() -> None:
+    with EmulatedCluster(2, "100mbit", prefix="fct") as cluster:
+        server = cluster.popen(1, [sys.executable, "-c", _ECHO_SERVER, "10.99.0.2"], stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        client = cluster.popen(0, [sys.executable, "-c", _ECHO_CLIENT, "10.99.0.2"], stdout=subprocess.PIPE, text=True)
+        out, _ = client.communicate(timeout=15)
+        assert server.wait(15) == 0 and client.returncode == 0
+        assert out.split() == ["ping", "from", "10.99.0.1", cluster.host_ifname(0)]
+        show = cluster.qdisc_show()
+        assert show.count("tbf") == 4 and show.count("rate 100Mbit") == 4
+    _assert_gone(cluster)
+
+
+@needs_netem
+def test_rate_change_and_schedule_show_in_tc() -> None:
+    with EmulatedCluster(2, "100mbit:0.2s,20mbit", prefix="fct") as cluster:
+        cluster.set_rate(50e6)
+        for ns, dev in cluster.links():  # host egress and bridge ports: both directions
+            out = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], check=True, capture_output=True, text=True).stdout
+            assert "tbf" in out and "rate 50Mbit" in out, out
+        runner = cluster.start_schedule()
+        assert runner.wait(5.0)
+        runner.stop()
+        assert [c.rate_bps for c in runner.changes] == [100e6, 20e6]
+        assert runner.changes[1].time_s >= 0.2 - 1e-3
+        assert cluster.qdisc_show().count("rate 20Mbit") == 4
+        assert cluster.rate_bps == 20e6
+    _assert_gone(cluster)
+
+
+@needs_netem
+def test_unshaped_cluster_can_be_shaped_later_and_delay_is_tolerated() -> None:
+    with EmulatedCluster(1, "none", prefix="fct") as cluster:
+        assert "tbf" not in cluster.qdisc_show()
+        cluster.set_rate(10e6)
+        assert cluster.qdisc_show().count("rate 10Mbit") == 2
+    with EmulatedCluster(1, "10mbit/5ms", prefix="fct") as cluster:  # warns if no netem, must not fail
+        assert cluster.qdisc_show().count("rate 10Mbit") == 2
+
+
+@needs_netem
+def test_cleanup_after_exception() -> None:
+    cluster = EmulatedCluster(2, "1gbit", prefix="fct")
+    with pytest.raises(KeyError, match="inside"):
+        with cluster:
+            assert set(cluster.namespaces) <= _netns()
+            proc = cluster.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
+            raise KeyError("inside")
+    _assert_gone(cluster)
+    assert proc.poll() is not None  # processes we launched are ended too
+    cluster.close()  # idempotent
+
+
+_SIGNAL_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from flexcomm.netem import EmulatedCluster
+    with EmulatedCluster(2, "1gbit", prefix=sys.argv[1]) as c:
+        print(" ".join(c.namespaces), flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def _start_child(prefix: str) -> tuple[subprocess.Popen[str], list[str]]:
+    child = subprocess.Popen([sys.executable, "-c", _SIGNAL_CHILD, prefix], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    names = child.stdout.readline().split()
+    assert len(names) == 3 and set(names) <= _netns()
+    return child, names
+
+
+@needs_netem
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cleanup_on_signal(sig: signal.Signals) -> None:
+    child, names = _start_child("fcg")
+    child.send_signal(sig)
+    rc = child.wait(20)
+    assert rc != 0
+    if sig == signal.SIGTERM:
+        assert rc == -signal.SIGTERM  # the signal is re-delivered after cleanup
+    assert _netns().isdisjoint(names)
+
+
+@needs_netem
+def test_cleanup_stale_removes_only_dead_runs() -> None:
+    child, names = _start_child("fcs")
+    child.kill()  # SIGKILL: no chance to clean up
+    child.wait(10)
+    assert set(names) <= _netns()
+    with EmulatedCluster(1, "1gbit", prefix="fcs") as live:  # a live run with the same prefix
+        removed = cleanup_stale("fcs")
+        assert set(removed) == set(names)
+        assert removed[0].endswith("-br")  # bridges first: that removes the veth pairs
+        assert set(live.namespaces) <= _netns()
+    assert _netns().isdisjoint(names)
+    _assert_gone(live)
+
+
+@needs_netem
+def test_set_rate_from_another_thread_while_running() -> None:
+    with EmulatedCluster(2, "1gbit", prefix="fct") as cluster:
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                for rate in (200e6, 300e6):
+                    cluster.set_rate(rate)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(10)
+        assert not errors
+        assert cluster.qdisc_show().count("rate 300Mbit") == 4

@@ -29,5 +29,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, out_dir: str, arg
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"{rank}.pt")
+        # No rank tears the group down while another still talks to it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -116,7 +116,7 @@ def _error_feedback_trace(rank: int, world: int, compressor: str, steps: int) ->
     return failures
 
 
-@pytest.mark.parametrize("compressor,world", [("agtopk", 2), ("mstopk", 2), ("artopk-star", 4), ("artopk-var", 2)])
+@pytest.mark.parametrize("compressor,world", [("agtopk", 2), ("mstopk", 2), ("artopk-star", 4), ("artopk-var", 2), ("flex", 2)])
 def test_error_feedback_nothing_lost_or_counted_twice(compressor: str, world: int) -> None:
     for failures in run_world(_error_feedback_trace, world, compressor, 5):
         assert failures == []

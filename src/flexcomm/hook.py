@@ -21,6 +21,13 @@ the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
                  lowest rank.  Each rank's statistic rides along in the values' allreduce
                  (N extra slots), so every rank holds the same EWMAs and picks the same r
                  at the next step with no extra collective.
+``flex``         per bucket, whichever of dense, agtopk and artopk-star the alpha-beta
+                 model (plus measured compression time) predicts cheapest now; see
+                 :mod:`flexcomm.control.exchange`.  (alpha, beta) are estimated online:
+                 a probe of a few message sizes at start and every ``probe_every`` steps,
+                 and the exchanges' own timings, agreed across ranks every
+                 ``flex_interval`` steps.  Decisions change only at those agreement points,
+                 from inputs every rank holds identically, so all ranks pick the same.
 
 Error feedback: the new residual is ``e_i = a_i`` with the sent indices zeroed, so what
 rank i contributed plus its residual equals ``a_i``.  A non-finite ``a_i`` on any rank
@@ -31,19 +38,21 @@ skips the step) and every rank keeps its previous residual.
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from time import perf_counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import allgather, allreduce_sum, broadcast_from
+from flexcomm.comm import agree_on_times, allgather, allreduce_sum, broadcast_from, probe_collectives
 from flexcomm.compress import ResidualMemory, TopkWorkspace, k_for, mstopk_indices, pack, topk_indices, unpack_all
 from flexcomm.compress.memory import Layout
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
+from flexcomm.control import ExchangeChooser
+from flexcomm.cost import Observation
 
-COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var")
+COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
 VAR_STATISTICS = ("norm", "variance")
 _STATE_FORMAT = 1
 
@@ -54,7 +63,8 @@ class BucketRecord:
 
     ``bytes_sent`` is the payload of the collectives this rank took part in (what the
     backend was handed), not wire bytes, which depend on the collective's algorithm.
-    ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.
+    ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.  ``predicted`` is the
+    cost model's time for the chosen exchange (``flex`` only, else NaN).
     """
 
     step: int
@@ -68,6 +78,7 @@ class BucketRecord:
     bytes_sent: int
     gain: float
     finite: bool = True
+    predicted: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +95,9 @@ class FlexState:
         mstopk_rounds: threshold-search rounds of ``mstopk``.
         var_statistic: ``artopk-var``'s statistic, ``"norm"`` (the authors') or ``"variance"``.
         var_smoothing: EWMA factor ``s <- smoothing * s + (1 - smoothing) * x``, in [0, 1).
+        flex_interval: ``flex`` agrees on measured times and re-decides every this many steps.
+        probe_every: ``flex`` re-probes the collectives every this many steps.
+        probe_sizes: message sizes in bytes the probe times.
         max_records: how many :class:`BucketRecord` are kept until :meth:`drain_records`.
     """
 
@@ -96,6 +110,9 @@ class FlexState:
         mstopk_rounds: int = DEFAULT_ROUNDS,
         var_statistic: str = "norm",
         var_smoothing: float = 0.9,
+        flex_interval: int = 10,
+        probe_every: int = 500,
+        probe_sizes: tuple[int, ...] = (1024, 65536, 524288),
         max_records: int = 100_000,
     ) -> None:
         if compressor not in COMPRESSORS:
@@ -110,6 +127,10 @@ class FlexState:
         _check_number("var_smoothing", var_smoothing)
         if not 0.0 <= var_smoothing < 1.0:
             raise ValueError(f"var_smoothing must be in [0, 1), got {var_smoothing}")
+        _check_int("flex_interval", flex_interval, minimum=1)
+        _check_int("probe_every", probe_every, minimum=1)
+        if not probe_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 4 for b in probe_sizes):
+            raise ValueError(f"probe_sizes must be a non-empty sequence of ints >= 4 (bytes), got {probe_sizes!r}")
         _check_int("max_records", max_records, minimum=1)
         self.process_group = process_group
         self.compressor = compressor
@@ -118,12 +139,21 @@ class FlexState:
         self.mstopk_rounds = mstopk_rounds
         self.var_statistic = var_statistic
         self.var_smoothing = float(var_smoothing)
+        self.flex_interval = flex_interval
+        self.probe_every = probe_every
+        self.probe_sizes = tuple(probe_sizes)
+        self.chooser = ExchangeChooser()
         self.step = 0
         self.memory = ResidualMemory()
         self.records: "deque[BucketRecord]" = deque(maxlen=max_records)
         self._var_ewma: dict[int, list[float]] = {}
         self._leader_counts: list[int] | None = None
         self._workspaces: dict[int, TopkWorkspace] = {}
+        self._in_step = False
+        self._probed_at: int | None = None
+        # Filled by exchange callbacks, agreed across ranks at the next agreement point.
+        self._measured_comm: list[tuple[tuple[int, int], Observation]] = []
+        self._measured_compress: list[tuple[tuple[int, int], float]] = []
 
     @property
     def world_size(self) -> int:
@@ -148,7 +178,7 @@ class FlexState:
 
     def leader_for(self, bucket_index: int, step: int) -> int:
         """AR-Topk's index-source rank for a bucket at a step; the same on every rank."""
-        if self.compressor == "artopk-star":
+        if self.compressor != "artopk-var":
             return step % self.world_size
         ewma = self._var_ewma.get(bucket_index)
         if ewma is None:
@@ -166,6 +196,8 @@ class FlexState:
             "memory": self.memory.state_dict(),
             "var_ewma": {i: list(v) for i, v in self._var_ewma.items()},
             "leader_counts": list(self.leader_counts),
+            "chooser": self.chooser.state_dict(),
+            "probed_at": self._probed_at,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -179,6 +211,33 @@ class FlexState:
         self.memory.load_state_dict(state["memory"])
         self._var_ewma = {int(i): list(v) for i, v in state["var_ewma"].items()}
         self._leader_counts = list(state["leader_counts"])
+        self.chooser.load_state_dict(state["chooser"])
+        self._probed_at = state["probed_at"]
+
+    def _begin_step(self, step: int) -> None:
+        """Work at a step's first bucket, when no exchange is in flight: flex's agreement points."""
+        if self.compressor != "flex":
+            return
+        if self._probed_at is None or step - self._probed_at >= self.probe_every:
+            self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.process_group))
+            self._probed_at = step
+            self.chooser.refresh()
+        elif step % self.flex_interval == 0 and (self._measured_comm or self._measured_compress):
+            self._agree_on_measurements()
+            self.chooser.refresh()
+
+    def _agree_on_measurements(self) -> None:
+        """Feed every rank the same timings: min over ranks for collectives, max for compression.
+
+        One allreduce(MAX) carries both: the collectives' times negated (-max(-t) = min t).
+        """
+        comm = sorted(self._measured_comm, key=lambda item: item[0])
+        compress = sorted(self._measured_compress, key=lambda item: item[0])
+        self._measured_comm, self._measured_compress = [], []
+        agreed = agree_on_times([-obs.seconds for _, obs in comm] + [t for _, t in compress], self.process_group, dist.ReduceOp.MAX)
+        self.chooser.estimator.observe_all(obs._replace(seconds=-t) for (_, obs), t in zip(comm, agreed))
+        for ((_, bucket), _), t in zip(compress, agreed[len(comm):]):
+            self.chooser.observe_compression(bucket, t)
 
     def _workspace(self, bucket_index: int) -> TopkWorkspace:
         return self._workspaces.setdefault(bucket_index, TopkWorkspace())
@@ -192,6 +251,29 @@ class FlexState:
         self._var_ewma[bucket_index] = [s * p + (1.0 - s) * x for p, x in zip(previous, statistics)]
 
 
+@dataclass
+class _BucketContext:
+    state: FlexState
+    index: int
+    layout: Layout
+    step: int
+    predicted: float = math.nan
+
+    def record(self, **fields: Any) -> BucketRecord:
+        rec = BucketRecord(step=self.step, bucket=self.index, predicted=self.predicted, **fields)
+        self.state.records.append(rec)
+        return rec
+
+    def measured(self, rec: BucketRecord, kind: str, nbytes: int) -> None:
+        """Keep a finished exchange's timings for ``flex``'s estimator."""
+        if self.state.compressor != "flex":
+            return
+        key = (self.step, self.index)
+        self.state._measured_comm.append((key, Observation(kind, nbytes, self.state.world_size, rec.t_exchange)))
+        if rec.exchange != "dense":
+            self.state._measured_compress.append((key, rec.t_compress))
+
+
 def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: exchange one bucket as ``state.compressor`` says.
 
@@ -201,10 +283,13 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if not grad.is_floating_point():
         raise TypeError(f"flexcomm.hook needs floating-point gradients, got dtype {grad.dtype}")
     step = state.step
-    if bucket.is_last():
-        state.step += 1
     if state.world_size == 1:
+        _end_bucket(state, bucket)
         return _completed(grad)
+    if not state._in_step:
+        state._begin_step(step)
+        state._in_step = True
+    _end_bucket(state, bucket)
     ctx = _BucketContext(
         state=state,
         index=bucket.index(),
@@ -212,26 +297,29 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         step=step,
     )
     accumulated = state.memory.compensate(ctx.index, ctx.layout, grad)
-    compressor = state.compressor if step >= state.warmup_steps else "dense"
-    if compressor == "dense":
+    exchange = _exchange_for(ctx, accumulated) if step >= state.warmup_steps else "dense"
+    if exchange == "dense":
         return _exchange_dense(ctx, accumulated)
     k = k_for(accumulated.numel(), state.density)
-    if compressor in ("agtopk", "mstopk"):
-        return _exchange_allgather(ctx, accumulated, k, compressor)
+    if exchange == "agtopk":
+        return _exchange_allgather(ctx, accumulated, k)
     return _exchange_artopk(ctx, accumulated, k)
 
 
-@dataclass
-class _BucketContext:
-    state: FlexState
-    index: int
-    layout: Layout
-    step: int
+def _end_bucket(state: FlexState, bucket: dist.GradBucket) -> None:
+    if bucket.is_last():
+        state.step += 1
+        state._in_step = False
 
-    def record(self, **fields: Any) -> BucketRecord:
-        rec = BucketRecord(step=self.step, bucket=self.index, **fields)
-        self.state.records.append(rec)
-        return rec
+
+def _exchange_for(ctx: _BucketContext, accumulated: torch.Tensor) -> str:
+    """The exchange pattern: fixed by the compressor, or chosen by ``flex``."""
+    state = ctx.state
+    if state.compressor != "flex":
+        return {"mstopk": "agtopk", "artopk-star": "artopk", "artopk-var": "artopk"}.get(state.compressor, state.compressor)
+    choice = state.chooser.choose(ctx.index, accumulated.numel(), state.density, state.world_size, accumulated.element_size())
+    ctx.predicted = choice.predicted[choice.exchange]
+    return choice.exchange
 
 
 def _exchange_dense(ctx: _BucketContext, accumulated: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -246,6 +334,7 @@ def _exchange_dense(ctx: _BucketContext, accumulated: torch.Tensor) -> torch.fut
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         total = fut.value().div_(state.world_size)
         rec.t_exchange = perf_counter() - started
+        ctx.measured(rec, "allreduce", rec.bytes_sent)
         # Only a bucket that still carries a residual needs the (full-pass) check: a
         # non-finite step must not wipe the residual that the skipped step would have kept.
         if had_residual:
@@ -257,11 +346,11 @@ def _exchange_dense(ctx: _BucketContext, accumulated: torch.Tensor) -> torch.fut
     return allreduce_sum(accumulated, state.process_group).then(finish)
 
 
-def _exchange_allgather(ctx: _BucketContext, accumulated: torch.Tensor, k: int, compressor: str) -> torch.futures.Future[torch.Tensor]:
+def _exchange_allgather(ctx: _BucketContext, accumulated: torch.Tensor, k: int) -> torch.futures.Future[torch.Tensor]:
     state = ctx.state
     started = perf_counter()
     norm, finite = _norm_and_finiteness(accumulated)
-    if compressor == "mstopk":
+    if state.compressor == "mstopk":
         indices = mstopk_indices(accumulated, k, state.mstopk_rounds)
     else:
         indices = topk_indices(accumulated, k, state._workspace(ctx.index))
@@ -272,7 +361,7 @@ def _exchange_allgather(ctx: _BucketContext, accumulated: torch.Tensor, k: int, 
     padding = k - indices.numel()
     message = pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
     rec = ctx.record(
-        numel=accumulated.numel(), exchange="allgather", k=k, leader=-1, t_compress=perf_counter() - started,
+        numel=accumulated.numel(), exchange="agtopk", k=k, leader=-1, t_compress=perf_counter() - started,
         t_exchange=0.0, bytes_sent=message.numel(), gain=gain,
     )
     launched = perf_counter()
@@ -280,6 +369,7 @@ def _exchange_allgather(ctx: _BucketContext, accumulated: torch.Tensor, k: int, 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         all_values, all_indices = unpack_all(fut.value(), state.world_size, k, accumulated.dtype)
         rec.t_exchange = perf_counter() - launched
+        ctx.measured(rec, "allgather", rec.bytes_sent)
         rec.finite = bool(torch.isfinite(all_values).all())
         if rec.finite:
             state.memory.update(ctx.index, ctx.layout, accumulated, indices)
@@ -305,6 +395,7 @@ def _exchange_artopk(ctx: _BucketContext, accumulated: torch.Tensor, k: int) -> 
 
     launched = perf_counter()
     broadcast_from(indices, leader, state.process_group)
+    broadcasted = perf_counter()
     values = _contributed_values(accumulated, indices, finite)
     gain = _gain(values, norm)
     with_statistics = state.compressor == "artopk-var"
@@ -320,7 +411,11 @@ def _exchange_artopk(ctx: _BucketContext, accumulated: torch.Tensor, k: int) -> 
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()
-        rec.t_exchange = perf_counter() - launched
+        done = perf_counter()
+        rec.t_exchange = done - launched
+        # Only the allreduce is a clean sample: a non-leader's broadcast time includes its
+        # wait for the leader's top-k, which is compression time, not network time.
+        ctx.measured(replace(rec, t_exchange=done - broadcasted), "allreduce", values.numel() * values.element_size())
         rec.finite = bool(torch.isfinite(reduced).all())
         if rec.finite:
             state.memory.update(ctx.index, ctx.layout, accumulated, indices)

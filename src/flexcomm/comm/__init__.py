@@ -1,5 +1,6 @@
 """Communication: collectives over a torch.distributed process group. No compression math."""
 
-from flexcomm.comm.collectives import allgather, allreduce_sum, broadcast_from, rank, world_size
+from flexcomm.comm.collectives import allgather, allreduce_sum, broadcast_from
+from flexcomm.comm.timing import agree_on_times, probe_collectives
 
-__all__ = ["allgather", "allreduce_sum", "broadcast_from", "rank", "world_size"]
+__all__ = ["agree_on_times", "allgather", "allreduce_sum", "broadcast_from", "probe_collectives"]

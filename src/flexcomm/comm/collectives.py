@@ -15,14 +15,6 @@ import torch.distributed as dist
 _allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def world_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
-
-
-def rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group)
-
-
 def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     """Sum ``tensor`` in place across ranks; the future's value is ``tensor``."""
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -31,7 +23,7 @@ def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torc
 
 def allgather(message: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     """Concatenate every rank's equally sized flat ``message``; the value is the concatenation."""
-    gathered = message.new_empty(message.numel() * world_size(group))
+    gathered = message.new_empty(message.numel() * dist.get_world_size(group))
     work = _allgather_single(gathered, message, group=group, async_op=True)
     return work.get_future().then(lambda _: gathered)
 

@@ -1,0 +1,66 @@
+"""Which exchange a bucket uses: the cheapest by the alpha-beta model plus compression time.
+
+For a bucket of M elements at density c on N ranks the predicted step cost is
+
+    dense:   T_allreduce(M * vb)
+    agtopk:  T_allgather(k * (vb + 4))                      + t_comp
+    artopk:  T_broadcast(k * 4) + T_allreduce(k * vb)       + t_comp
+
+with the collectives' (alpha, beta) from the online estimator and ``t_comp`` the
+bucket's measured top-k selection time (an EWMA of the max over ranks: the selection is
+on the critical path).  ``t_comp`` starts at 0, an optimistic guess that corrects itself:
+if compression looks cheapest it runs and gets measured; if dense wins with t_comp = 0 it
+wins with any t_comp.
+
+The chooser is a pure function of its inputs; every rank feeds it the same (agreed)
+inputs at the same steps, so every rank picks the same exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flexcomm.cost import CostEstimator, CostParams, predict_exchange_times
+
+
+@dataclass(frozen=True)
+class Choice:
+    exchange: str
+    predicted: dict[str, float]
+
+
+class ExchangeChooser:
+    """Cheapest exchange per bucket; its inputs change only at :meth:`refresh`."""
+
+    def __init__(self, estimator: CostEstimator | None = None, compress_smoothing: float = 0.7) -> None:
+        self.estimator = estimator or CostEstimator()
+        self.compress_smoothing = compress_smoothing
+        self.params: CostParams = self.estimator.params
+        self._compress_seconds: dict[int, float] = {}
+
+    def observe_compression(self, bucket_index: int, seconds: float) -> None:
+        previous = self._compress_seconds.get(bucket_index)
+        s = self.compress_smoothing
+        self._compress_seconds[bucket_index] = seconds if previous is None else s * previous + (1 - s) * seconds
+
+    def refresh(self) -> None:
+        """Take the estimator's current (alpha, beta) for the next decisions."""
+        self.params = self.estimator.params
+
+    def choose(self, bucket_index: int, numel: int, density: float, world_size: int, value_bytes: int) -> Choice:
+        predicted = predict_exchange_times(numel, density, world_size, self.params, value_bytes)
+        t_comp = self._compress_seconds.get(bucket_index, 0.0)
+        predicted["agtopk"] += t_comp
+        predicted["artopk"] += t_comp
+        # Ties go to the simplest exchange (dict order: dense, artopk, agtopk).
+        exchange = min(predicted, key=predicted.__getitem__)
+        return Choice(exchange, predicted)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"estimator": self.estimator.state_dict(), "compress_seconds": dict(self._compress_seconds)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.estimator.load_state_dict(state["estimator"])
+        self._compress_seconds = {int(i): float(s) for i, s in state["compress_seconds"].items()}
+        self.refresh()

@@ -29,6 +29,11 @@ the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
                  ``flex_interval`` steps.  Decisions change only at those agreement points,
                  from inputs every rank holds identically, so all ranks pick the same.
 
+``density="auto"`` lets a :class:`~flexcomm.control.DensityController` move the density
+along the Pareto front of compression gain and step time (see :mod:`flexcomm.control.density`);
+every ``measure_every`` steps each bucket's gain curve over the candidates is computed from
+one top-k pass, summed over buckets and ranks by one allreduce, and all ranks decide alike.
+
 Error feedback: the new residual is ``e_i = a_i`` with the sent indices zeroed, so what
 rank i contributed plus its residual equals ``a_i``.  A non-finite ``a_i`` on any rank
 turns the exchanged values into NaN on every rank (so ``torch.amp.GradScaler`` sees it and
@@ -49,7 +54,8 @@ from flexcomm.comm import agree_on_times, allgather, allreduce_sum, broadcast_fr
 from flexcomm.compress import ResidualMemory, TopkWorkspace, k_for, mstopk_indices, pack, topk_indices, unpack_all
 from flexcomm.compress.memory import Layout
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
-from flexcomm.control import ExchangeChooser
+from flexcomm.compress.gain import kept_energy, total_energy
+from flexcomm.control import DensityController, ExchangeChooser
 from flexcomm.cost import Observation
 
 COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
@@ -79,6 +85,7 @@ class BucketRecord:
     gain: float
     finite: bool = True
     predicted: float = math.nan
+    density: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +97,8 @@ class FlexState:
     Args:
         process_group: the group to communicate over (``None``: the default group).
         compressor: one of :data:`COMPRESSORS`.
-        density: fraction of each bucket's elements sent, in (0, 1].
+        density: fraction of each bucket's elements sent, in (0, 1], or ``"auto"``.
+        controller: the :class:`DensityController` of ``density="auto"`` (default settings if None).
         warmup_steps: exchange dense for the first this many steps.
         mstopk_rounds: threshold-search rounds of ``mstopk``.
         var_statistic: ``artopk-var``'s statistic, ``"norm"`` (the authors') or ``"variance"``.
@@ -105,7 +113,8 @@ class FlexState:
         self,
         process_group: dist.ProcessGroup | None = None,
         compressor: str = "artopk-star",
-        density: float = 0.01,
+        density: float | str = 0.01,
+        controller: DensityController | None = None,
         warmup_steps: int = 0,
         mstopk_rounds: int = DEFAULT_ROUNDS,
         var_statistic: str = "norm",
@@ -117,9 +126,14 @@ class FlexState:
     ) -> None:
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {compressor!r}")
-        _check_number("density", density)
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density}")
+        if density == "auto":
+            controller = controller or DensityController()
+        else:
+            _check_number("density", density)
+            if not 0.0 < density <= 1.0:
+                raise ValueError(f"density must be in (0, 1] or 'auto', got {density}")
+            if controller is not None:
+                raise ValueError("controller is only used with density='auto'")
         _check_int("warmup_steps", warmup_steps, minimum=0)
         _check_int("mstopk_rounds", mstopk_rounds, minimum=1)
         if var_statistic not in VAR_STATISTICS:
@@ -134,7 +148,8 @@ class FlexState:
         _check_int("max_records", max_records, minimum=1)
         self.process_group = process_group
         self.compressor = compressor
-        self.density = float(density)
+        self.controller = controller
+        self._fixed_density = None if controller else float(density)
         self.warmup_steps = warmup_steps
         self.mstopk_rounds = mstopk_rounds
         self.var_statistic = var_statistic
@@ -151,9 +166,23 @@ class FlexState:
         self._workspaces: dict[int, TopkWorkspace] = {}
         self._in_step = False
         self._probed_at: int | None = None
+        # Gain curve of this step (density="auto"): kept energy per candidate, then the total.
+        self._measure_gain = False
+        self._gain_energy: list[float] | None = None
+        self._bucket_sizes: dict[int, tuple[int, int]] = {}
         # Filled by exchange callbacks, agreed across ranks at the next agreement point.
         self._measured_comm: list[tuple[tuple[int, int], Observation]] = []
         self._measured_compress: list[tuple[tuple[int, int], float]] = []
+
+    @property
+    def density(self) -> float:
+        """The density in force now (the controller's choice under ``density="auto"``)."""
+        return self.controller.density if self.controller else self._fixed_density
+
+    @property
+    def _estimating(self) -> bool:
+        """Whether decisions need the online cost estimate (``flex`` or ``auto``)."""
+        return self.compressor == "flex" or self.controller is not None
 
     @property
     def world_size(self) -> int:
@@ -198,6 +227,7 @@ class FlexState:
             "leader_counts": list(self.leader_counts),
             "chooser": self.chooser.state_dict(),
             "probed_at": self._probed_at,
+            "controller": self.controller.state_dict() if self.controller else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -213,10 +243,14 @@ class FlexState:
         self._leader_counts = list(state["leader_counts"])
         self.chooser.load_state_dict(state["chooser"])
         self._probed_at = state["probed_at"]
+        if (state["controller"] is None) != (self.controller is None):
+            raise ValueError("checkpoint and this run disagree on density='auto'")
+        if self.controller:
+            self.controller.load_state_dict(state["controller"])
 
     def _begin_step(self, step: int) -> None:
-        """Work at a step's first bucket, when no exchange is in flight: flex's agreement points."""
-        if self.compressor != "flex":
+        """Work at a step's first bucket, when no exchange is in flight: the agreement points."""
+        if not self._estimating:
             return
         if self._probed_at is None or step - self._probed_at >= self.probe_every:
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.process_group))
@@ -225,6 +259,30 @@ class FlexState:
         elif step % self.flex_interval == 0 and (self._measured_comm or self._measured_compress):
             self._agree_on_measurements()
             self.chooser.refresh()
+        if self.controller:
+            if self._gain_energy is not None:
+                self._decide_density(step)
+            self._measure_gain = self.controller.measure_at(step)
+
+    def _accumulate_gain(self, bucket_index: int, accumulated: torch.Tensor) -> None:
+        candidates = self.controller.candidates
+        energy = kept_energy(accumulated, candidates, self._workspace(bucket_index)) + [total_energy(accumulated)]
+        self._gain_energy = energy if self._gain_energy is None else [a + b for a, b in zip(self._gain_energy, energy)]
+        self._bucket_sizes[bucket_index] = (accumulated.numel(), accumulated.element_size())
+
+    def _decide_density(self, step: int) -> None:
+        """Agree on the gain curve (sum over ranks), predict each candidate's time, let the controller pick."""
+        energy = agree_on_times(self._gain_energy, self.process_group, dist.ReduceOp.SUM)
+        self._gain_energy = None
+        *kept, total = energy
+        if not all(math.isfinite(e) for e in energy) or total <= 0.0:
+            return  # a non-finite or all-zero step says nothing about the trade-off
+        exchange = None if self.compressor == "flex" else _exchange_for_compressor(self.compressor)
+        seconds = [
+            sum(self.chooser.predicted_seconds(i, numel, c, self.world_size, vb, exchange) for i, (numel, vb) in self._bucket_sizes.items())
+            for c in self.controller.candidates
+        ]
+        self.controller.update(step, [math.sqrt(k / total) for k in kept], seconds)
 
     def _agree_on_measurements(self) -> None:
         """Feed every rank the same timings: min over ranks for collectives, max for compression.
@@ -260,13 +318,13 @@ class _BucketContext:
     predicted: float = math.nan
 
     def record(self, **fields: Any) -> BucketRecord:
-        rec = BucketRecord(step=self.step, bucket=self.index, predicted=self.predicted, **fields)
+        rec = BucketRecord(step=self.step, bucket=self.index, predicted=self.predicted, density=self.state.density, **fields)
         self.state.records.append(rec)
         return rec
 
     def measured(self, rec: BucketRecord, kind: str, nbytes: int) -> None:
         """Keep a finished exchange's timings for ``flex``'s estimator."""
-        if self.state.compressor != "flex":
+        if not self.state._estimating:
             return
         key = (self.step, self.index)
         self.state._measured_comm.append((key, Observation(kind, nbytes, self.state.world_size, rec.t_exchange)))
@@ -297,13 +355,21 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         step=step,
     )
     accumulated = state.memory.compensate(ctx.index, ctx.layout, grad)
-    exchange = _exchange_for(ctx, accumulated) if step >= state.warmup_steps else "dense"
+    if state._measure_gain:
+        state._accumulate_gain(ctx.index, accumulated)
+    # Under density="auto", density 1.0 means dense: sending every index would only add bytes.
+    dense = step < state.warmup_steps or (state.controller is not None and state.density >= 1.0)
+    exchange = "dense" if dense else _exchange_for(ctx, accumulated)
     if exchange == "dense":
         return _exchange_dense(ctx, accumulated)
     k = k_for(accumulated.numel(), state.density)
     if exchange == "agtopk":
         return _exchange_allgather(ctx, accumulated, k)
     return _exchange_artopk(ctx, accumulated, k)
+
+
+def _exchange_for_compressor(compressor: str) -> str:
+    return {"mstopk": "agtopk", "artopk-star": "artopk", "artopk-var": "artopk"}.get(compressor, compressor)
 
 
 def _end_bucket(state: FlexState, bucket: dist.GradBucket) -> None:
@@ -316,7 +382,7 @@ def _exchange_for(ctx: _BucketContext, accumulated: torch.Tensor) -> str:
     """The exchange pattern: fixed by the compressor, or chosen by ``flex``."""
     state = ctx.state
     if state.compressor != "flex":
-        return {"mstopk": "agtopk", "artopk-star": "artopk", "artopk-var": "artopk"}.get(state.compressor, state.compressor)
+        return _exchange_for_compressor(state.compressor)
     choice = state.chooser.choose(ctx.index, accumulated.numel(), state.density, state.world_size, accumulated.element_size())
     ctx.predicted = choice.predicted[choice.exchange]
     return choice.exchange

@@ -57,6 +57,16 @@ class ExchangeChooser:
         exchange = min(predicted, key=predicted.__getitem__)
         return Choice(exchange, predicted)
 
+    def predicted_seconds(self, bucket_index: int, numel: int, density: float, world_size: int, value_bytes: int, exchange: str | None) -> float:
+        """Predicted time of one bucket at ``density``: with ``exchange``, or the cheapest if None.
+
+        Density 1.0 is always a dense exchange: sending every index would only add bytes.
+        """
+        if density >= 1.0:
+            exchange = "dense"
+        choice = self.choose(bucket_index, numel, density, world_size, value_bytes)
+        return choice.predicted[exchange or choice.exchange]
+
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "compress_seconds": dict(self._compress_seconds)}
 

@@ -1,0 +1,224 @@
+"""Dynamic compression ratio: move the density along the Pareto front of gain and time.
+
+For each candidate density c the controller knows two objectives, agreed by all ranks:
+
+* statistical efficiency, the compression gain ``g(c) = ||C_c(a)||_2 / ||a||_2`` of the
+  error-corrected gradient (from one top-k pass, see :mod:`flexcomm.compress.gain`;
+  summed over buckets and ranks), to maximize;
+* parallel efficiency, ``t(c) = t_comp(c) + t_sync(c)``: the measured selection time plus
+  the cost model's time of the exchange at c, summed over buckets, to minimize.
+
+The candidates that no other candidate beats on both objectives form the Pareto front;
+one of them is picked by a rule:
+
+``asf`` (default)  achievement scalarizing: normalize both objectives to [0, 1] over the
+                   front (0 = best), minimize ``max(w_t * t_n, w_g * g_n)`` plus a tiny
+                   sum term that breaks ties toward the Pareto-better point;
+                   ``w_t = time_weight`` (0.6), ``w_g = 1 - time_weight`` (0.4).
+``min-time``       the fastest candidate whose gain is at least ``min_gain``.
+``knee``           the front point farthest from the line joining its two ends.
+
+Stability: the controller starts dense, may descend one candidate every ``ramp_steps``
+steps after ``warmup_steps``, re-decides only when the gain at the current density has
+moved by more than ``gain_change`` (relative), the predicted time of the current density
+by more than ``cost_change``, or ``redecide_every`` steps have passed; and it switches
+only if the new choice beats the current density by ``hysteresis`` in the rule's own terms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RULES = ("asf", "min-time", "knee")
+DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    density: float
+    gain: float
+    seconds: float
+
+
+def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Candidates not dominated (another at least as good on both, better on one), densest first."""
+    def dominated(c: Candidate) -> bool:
+        return any(
+            o.gain >= c.gain and o.seconds <= c.seconds and (o.gain > c.gain or o.seconds < c.seconds)
+            for o in candidates
+        )
+
+    return sorted((c for c in candidates if not dominated(c)), key=lambda c: -c.density)
+
+
+def _normalized(front: Sequence[Candidate]) -> list[tuple[float, float]]:
+    """(time, gain shortfall) of each front point scaled to [0, 1]; 0 is the best on the front."""
+    t_lo, t_hi = min(c.seconds for c in front), max(c.seconds for c in front)
+    g_lo, g_hi = min(c.gain for c in front), max(c.gain for c in front)
+    return [
+        ((c.seconds - t_lo) / (t_hi - t_lo) if t_hi > t_lo else 0.0, (g_hi - c.gain) / (g_hi - g_lo) if g_hi > g_lo else 0.0)
+        for c in front
+    ]
+
+
+def asf_scores(front: Sequence[Candidate], time_weight: float, rho: float = 1e-3) -> list[float]:
+    """Achievement scalarizing score of each front point (lower is better)."""
+    gain_weight = 1.0 - time_weight
+    return [
+        max(time_weight * t, gain_weight * g) + rho * (time_weight * t + gain_weight * g)
+        for t, g in _normalized(front)
+    ]
+
+
+def knee_index(front: Sequence[Candidate]) -> int:
+    """Index of the front point farthest from the chord between the front's ends."""
+    if len(front) < 3:
+        return 0
+    points = _normalized(front)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    length = math.hypot(x1 - x0, y1 - y0) or 1.0
+    distances = [abs((x1 - x0) * (y0 - y) - (x0 - x) * (y1 - y0)) / length for x, y in points]
+    return max(range(len(front)), key=lambda i: (distances[i], -i))
+
+
+class DensityController:
+    """Picks the density for the next steps; a deterministic function of agreed inputs.
+
+    Args:
+        candidates: densities in (0, 1] to choose from (1.0 means a dense exchange).
+        rule: one of :data:`RULES`.
+        time_weight: ``asf``'s weight on time, in (0, 1); the gain's is ``1 - time_weight``.
+        min_gain: ``min-time``'s gain floor, in [0, 1].
+        measure_every: steps between gain measurements (each costs one top-k per bucket
+            and one small allreduce).
+        warmup_steps: steps at density 1.0 before the controller may lower it.
+        ramp_steps: after warm-up, steps per candidate the floor descends by.
+        redecide_every, gain_change, cost_change: when to re-decide (see the module docstring).
+        hysteresis: margin a new choice must win by, in the rule's terms (``asf``: score;
+            ``min-time``: relative time); a density that left the front is left at once.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[float] = DEFAULT_CANDIDATES,
+        rule: str = "asf",
+        time_weight: float = 0.6,
+        min_gain: float = 0.5,
+        measure_every: int = 50,
+        warmup_steps: int = 100,
+        ramp_steps: int = 50,
+        redecide_every: int = 500,
+        gain_change: float = 0.10,
+        cost_change: float = 0.25,
+        hysteresis: float = 0.05,
+    ) -> None:
+        if not candidates or any(isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0 for c in candidates):
+            raise ValueError(f"candidates must be densities in (0, 1], got {candidates!r}")
+        if len(set(candidates)) != len(candidates):
+            raise ValueError(f"candidates must be distinct, got {candidates!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+        if not 0.0 < time_weight < 1.0:
+            raise ValueError(f"time_weight must be in (0, 1), got {time_weight}")
+        if not 0.0 <= min_gain <= 1.0:
+            raise ValueError(f"min_gain must be in [0, 1], got {min_gain}")
+        for name, value in (("measure_every", measure_every), ("ramp_steps", ramp_steps), ("redecide_every", redecide_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        self.candidates = tuple(sorted((float(c) for c in candidates), reverse=True))
+        self.rule = rule
+        self.time_weight = time_weight
+        self.min_gain = min_gain
+        self.measure_every = measure_every
+        self.warmup_steps = warmup_steps
+        self.ramp_steps = ramp_steps
+        self.redecide_every = redecide_every
+        self.gain_change = gain_change
+        self.cost_change = cost_change
+        self.hysteresis = hysteresis
+        self.density = self.candidates[0]
+        self.decisions: list[dict[str, Any]] = []
+        self._last: dict[str, Any] | None = None
+
+    def measure_at(self, step: int) -> bool:
+        """Whether the hook should measure the gain curve at this step."""
+        return step >= self.warmup_steps and (step - self.warmup_steps) % self.measure_every == 0
+
+    def floor_density(self, step: int) -> float:
+        """The smallest density the ramp allows at ``step``."""
+        if step < self.warmup_steps:
+            return self.candidates[0]
+        allowed = min(len(self.candidates) - 1, 1 + (step - self.warmup_steps) // self.ramp_steps)
+        return self.candidates[allowed]
+
+    def update(self, step: int, gains: Sequence[float], seconds: Sequence[float]) -> float:
+        """Take the agreed objectives of every candidate (in ``self.candidates`` order); return the density."""
+        if len(gains) != len(self.candidates) or len(seconds) != len(self.candidates):
+            raise ValueError("need one gain and one time per candidate")
+        current = self.candidates.index(self.density)
+        if not self._should_redecide(step, gains[current], seconds[current]):
+            return self.density
+        floor = self.floor_density(step)
+        allowed = [Candidate(c, g, t) for c, g, t in zip(self.candidates, gains, seconds) if c >= floor]
+        front = pareto_front(allowed)
+        chosen = self._pick(front)
+        kept = next((c for c in front if c.density == self.density), None)
+        if kept is not None and chosen is not kept and not self._clearly_better(chosen, kept, front):
+            chosen = kept
+        self.density = chosen.density
+        self._last = {"step": step, "gain": gains[self.candidates.index(chosen.density)], "seconds": seconds[self.candidates.index(chosen.density)]}
+        self.decisions.append({
+            "step": step,
+            "density": chosen.density,
+            "floor": floor,
+            "candidates": [asdict(Candidate(c, g, t)) for c, g, t in zip(self.candidates, gains, seconds)],
+            "front": [c.density for c in front],
+        })
+        return self.density
+
+    def _should_redecide(self, step: int, gain: float, seconds: float) -> bool:
+        last = self._last
+        if last is None or step - last["step"] >= self.redecide_every:
+            return True
+        if self.floor_density(step) < self.floor_density(last["step"]):
+            return True  # the ramp just allowed a sparser candidate
+        return _moved(gain, last["gain"], self.gain_change) or _moved(seconds, last["seconds"], self.cost_change)
+
+    def _pick(self, front: list[Candidate]) -> Candidate:
+        if self.rule == "min-time":
+            good = [c for c in front if c.gain >= self.min_gain]
+            return min(good, key=lambda c: (c.seconds, -c.density)) if good else max(front, key=lambda c: c.gain)
+        if self.rule == "knee":
+            return front[knee_index(front)]
+        scores = asf_scores(front, self.time_weight)
+        return front[min(range(len(front)), key=lambda i: (scores[i], i))]
+
+    def _clearly_better(self, chosen: Candidate, current: Candidate, front: list[Candidate]) -> bool:
+        """Hysteresis, in the rule's own terms: leave a density still on the front only for a clear gain."""
+        if self.rule == "asf":
+            scores = dict(zip((c.density for c in front), asf_scores(front, self.time_weight)))
+            return scores[current.density] - scores[chosen.density] > self.hysteresis
+        if self.rule == "min-time":
+            return current.gain < self.min_gain or chosen.seconds < current.seconds * (1.0 - self.hysteresis)
+        return True  # the knee is a discrete point: no margin to apply
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"density": self.density, "last": self._last, "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["density"] not in self.candidates:
+            raise ValueError(f"checkpoint density {state['density']} is not among the candidates {self.candidates}")
+        self.density = state["density"]
+        self._last = state["last"]
+        self.decisions = list(state["decisions"])
+
+
+def _moved(now: float, before: float, threshold: float) -> bool:
+    if before == 0.0:
+        return now != 0.0
+    return abs(now - before) / abs(before) > threshold

@@ -1,0 +1,151 @@
+"""The dynamic compression ratio: gain curve, Pareto front, controller rules, rank agreement."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import flexcomm
+from flexcomm.compress import k_for, topk_indices
+from flexcomm.compress.gain import kept_energy, total_energy
+from flexcomm.control import Candidate, DensityController, ExchangeChooser, pareto_front
+from flexcomm.cost import CostEstimator, CostParams, LinkParams
+from multiproc import run_world
+from test_hook_distributed import exchange, gradient, hooked_model
+
+CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
+M = 1_000_000
+
+
+def test_one_pass_gain_curve_equals_compressing_at_each_density() -> None:
+    a = torch.randn(200_000, generator=torch.Generator().manual_seed(5)) * torch.rand(200_000).pow(4)
+    curve = kept_energy(a, CANDIDATES)
+    for density, energy in zip(CANDIDATES, curve):
+        sent = a.index_select(0, topk_indices(a, k_for(a.numel(), density)))
+        assert energy == pytest.approx(float(sent.double().square().sum()), rel=1e-9)
+    assert curve[0] == pytest.approx(total_energy(a), rel=1e-12)
+
+
+def test_pareto_front_on_hand_made_points() -> None:
+    points = [Candidate(1.0, 1.0, 10.0), Candidate(0.1, 0.8, 4.0), Candidate(0.033, 0.6, 5.0),  # dominated by 0.1
+              Candidate(0.011, 0.5, 2.0), Candidate(0.004, 0.5, 3.0)]  # dominated by 0.011
+    assert [c.density for c in pareto_front(points)] == [1.0, 0.1, 0.011]
+
+
+def model_inputs(alpha: float, beta: float, t_comp: float, world: int = 4) -> tuple[list[float], list[float]]:
+    """Gains of a heavy-tailed gradient and times from the cost model, as the hook computes them."""
+    a = torch.randn(M, generator=torch.Generator().manual_seed(1)) * torch.rand(M, generator=torch.Generator().manual_seed(2)).pow(6)
+    gains = [math.sqrt(e / total_energy(a)) for e in kept_energy(a, CANDIDATES)]
+    chooser = ExchangeChooser(CostEstimator(prior=CostParams.uniform(LinkParams(alpha, beta))))
+    chooser.observe_compression(0, t_comp)
+    seconds = [chooser.predicted_seconds(0, M, c, world, 4, "artopk") for c in CANDIDATES]
+    return gains, seconds
+
+
+def settled(controller: DensityController, gains: list[float], seconds: list[float], steps: int = 1000) -> list[float]:
+    """Feed constant inputs at every measurement step; return the density after each update."""
+    history = []
+    for step in range(steps):
+        if controller.measure_at(step):
+            history.append(controller.update(step, gains, seconds))
+    return history
+
+
+def test_near_infinite_bandwidth_keeps_the_densest_candidate() -> None:
+    gains, seconds = model_inputs(alpha=1e-5, beta=1e-15, t_comp=1e-3)
+    history = settled(DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=10), gains, seconds)
+    assert set(history) == {1.0}
+
+
+def test_very_slow_network_goes_to_the_sparsest_candidate_that_meets_the_gain_floor() -> None:
+    gains, seconds = model_inputs(alpha=1e-4, beta=8 / 1e6, t_comp=1e-3)  # 1 Mbit/s
+    controller = DensityController(CANDIDATES, rule="min-time", min_gain=0.6, warmup_steps=0, ramp_steps=1, measure_every=10)
+    final = settled(controller, gains, seconds)[-1]
+    expected = min(c for c, g in zip(CANDIDATES, gains) if g >= 0.6)
+    assert final == expected < 1.0
+
+
+def test_asf_picks_a_compromise_between_the_extremes() -> None:
+    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+    seconds = [10.0, 3.0, 2.0, 1.5, 1.2, 1.0]
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)
+    final = settled(controller, gains, seconds, steps=20)[-1]
+    # Normalized (time, gain shortfall) for 0.1: (0.22, 0.125) -> ASF max(0.6*0.22, 0.4*0.125) = 0.133,
+    # the lowest on the front (1.0 scores 0.6, 0.001 scores 0.4, 0.033 scores 0.15).
+    assert final == 0.1
+
+
+def test_no_oscillation_over_a_thousand_steps_of_constant_inputs() -> None:
+    gains, seconds = model_inputs(alpha=1e-4, beta=8 / 1e8, t_comp=5e-3)  # 100 Mbit/s
+    controller = DensityController(CANDIDATES, warmup_steps=10, ramp_steps=20, measure_every=5)
+    history = settled(controller, gains, seconds)
+    changes = sum(1 for a, b in zip(history, history[1:]) if a != b)
+    # It may only step down while the ramp opens (at most one change per candidate), then holds.
+    assert changes <= len(CANDIDATES) - 1
+    assert len(set(history[len(history) // 2:])) == 1
+
+
+def test_warmup_and_ramp_bound_the_density() -> None:
+    controller = DensityController(CANDIDATES, warmup_steps=100, ramp_steps=50)
+    assert controller.floor_density(0) == 1.0
+    assert controller.floor_density(99) == 1.0
+    assert controller.floor_density(100) == 0.1
+    assert controller.floor_density(150) == 0.033
+    assert controller.floor_density(10_000) == 0.001
+    assert not controller.measure_at(50)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"candidates": (1.0, 0.0)}, "candidates must be densities in"),
+    ({"candidates": (0.1, 0.1)}, "candidates must be distinct"),
+    ({"rule": "best"}, "rule must be one of asf, min-time, knee"),
+    ({"time_weight": 1.0}, "time_weight must be in"),
+    ({"measure_every": 0}, "measure_every must be an int >= 1"),
+    ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
+])
+def test_controller_rejects_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DensityController(**kwargs)
+
+
+def test_controller_state_round_trip() -> None:
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)
+    settled(controller, [1.0, 0.9, 0.7, 0.5, 0.3, 0.2], [10.0, 3.0, 2.0, 1.5, 1.2, 1.0], steps=5)
+    restored = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.density == controller.density
+    assert restored.decisions == controller.decisions
+
+
+def test_state_rejects_controller_without_auto() -> None:
+    with pytest.raises(ValueError, match="controller is only used with density='auto'"):
+        flexcomm.FlexState(density=0.1, controller=DensityController())
+
+
+# ---------------------------------------------------------------- in the hook, on 4 ranks
+
+def _auto_run(rank: int, world: int, compressor: str, steps: int) -> dict:
+    controller = DensityController(CANDIDATES, warmup_steps=2, ramp_steps=2, measure_every=2)
+    model, state = hooked_model(compressor=compressor, density="auto", controller=controller, flex_interval=2, probe_every=100)
+    densities = []
+    for step in range(steps):
+        time.sleep(0.002 * rank * (step % 2))  # different local timings on every rank
+        exchange(model, gradient(rank, step))
+        densities.append(state.density)
+    return {"densities": densities, "decisions": controller.decisions,
+            "exchanges": [(r.step, r.exchange, r.density) for r in state.drain_records()]}
+
+
+@pytest.mark.parametrize("compressor", ["artopk-star", "flex"])
+def test_auto_density_is_the_same_on_four_ranks(compressor: str) -> None:
+    results = run_world(_auto_run, 4, compressor, 12)
+    for r in results[1:]:
+        assert r == results[0]
+    decisions = results[0]["decisions"]
+    assert decisions, "the controller never decided"
+    assert all(len(d["candidates"]) == len(CANDIDATES) for d in decisions)
+    # Warm-up is dense; later steps use whatever the controller chose.
+    assert [e for _, e, _ in results[0]["exchanges"][:2]] == ["dense", "dense"]

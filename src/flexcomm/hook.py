@@ -50,13 +50,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import agree_on_times, allgather, allreduce_sum, broadcast_from, probe_collectives
+from flexcomm.comm import agree_on_config, agree_on_times, allgather, allreduce_sum, broadcast_from, probe_collectives
 from flexcomm.compress import ResidualMemory, TopkWorkspace, k_for, mstopk_indices, pack, topk_indices, unpack_all
 from flexcomm.compress.memory import Layout
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control import DensityController, ExchangeChooser
 from flexcomm.cost import Observation
+from flexcomm.version import __version__
 
 COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
 VAR_STATISTICS = ("norm", "variance")
@@ -165,6 +166,7 @@ class FlexState:
         self._leader_counts: list[int] | None = None
         self._workspaces: dict[int, TopkWorkspace] = {}
         self._in_step = False
+        self._config_checked = False
         self._probed_at: int | None = None
         # Gain curve of this step (density="auto"): kept energy per candidate, then the total.
         self._measure_gain = False
@@ -247,6 +249,22 @@ class FlexState:
             raise ValueError("checkpoint and this run disagree on density='auto'")
         if self.controller:
             self.controller.load_state_dict(state["controller"])
+
+    def fingerprint(self, first_bucket: torch.Tensor) -> dict[str, object]:
+        """Everything that must be equal on all ranks for their exchanges to match."""
+        controller = self.controller
+        return {
+            "flexcomm": __version__,
+            "compressor": self.compressor,
+            "density": "auto" if controller else self._fixed_density,
+            "controller": (controller.candidates, controller.rule, controller.time_weight, controller.measure_every,
+                           controller.warmup_steps, controller.ramp_steps) if controller else None,
+            "warmup_steps": self.warmup_steps,
+            "mstopk_rounds": self.mstopk_rounds,
+            "var": (self.var_statistic, self.var_smoothing),
+            "flex": (self.flex_interval, self.probe_every, self.probe_sizes),
+            "first_bucket": (first_bucket.numel(), str(first_bucket.dtype)),
+        }
 
     def _begin_step(self, step: int) -> None:
         """Work at a step's first bucket, when no exchange is in flight: the agreement points."""
@@ -344,6 +362,9 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.world_size == 1:
         _end_bucket(state, bucket)
         return _completed(grad)
+    if not state._config_checked:
+        agree_on_config(state.fingerprint(grad), state.process_group)
+        state._config_checked = True
     if not state._in_step:
         state._begin_step(step)
         state._in_step = True

@@ -53,3 +53,18 @@ def _timed(kind: str, nbytes: int, group: dist.ProcessGroup | None) -> float:
     else:
         broadcast_from(payload, 0, group)
     return perf_counter() - started
+
+
+def agree_on_config(fingerprint: dict[str, object], group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank, naming the differences, unless all ranks hold the same ``fingerprint``.
+
+    Ranks configured differently would exchange messages of different sizes or in a
+    different order: a hang or garbage, never a clear error.  One allgather at start-up
+    turns that into a message.
+    """
+    gathered: list[dict[str, object] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fingerprint, group=group)
+    differing = sorted({key for fp in gathered for key in set(fp) | set(fingerprint) if fp.get(key) != fingerprint.get(key)})
+    if differing:
+        detail = "; ".join(f"{key}: " + ", ".join(f"rank {r}={fp.get(key)!r}" for r, fp in enumerate(gathered)) for key in differing)
+        raise ValueError(f"flexcomm configuration differs across ranks: {detail}")

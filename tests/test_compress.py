@@ -112,7 +112,7 @@ def test_pack_rejects_mismatched_lengths() -> None:
 
 def test_residual_memory_keeps_what_was_not_sent() -> None:
     memory = ResidualMemory()
-    layout = ((6,),)
+    layout = (("w", 6),)
     g = torch.tensor([1.0, -5.0, 2.0, 0.5, 4.0, -1.0])
     accumulated = memory.compensate(0, layout, g.clone())
     sent = torch.tensor([1, 4], dtype=torch.int32)
@@ -126,18 +126,40 @@ def test_residual_memory_keeps_what_was_not_sent() -> None:
     assert memory.compensate(0, layout, torch.ones(6)).tolist() == [2.0, 1.0, 3.0, 1.5, 1.0, 0.0]
 
 
-def test_residual_memory_drops_a_residual_whose_bucket_changed_layout() -> None:
+def test_anonymous_memory_drops_a_residual_whose_bucket_changed_layout() -> None:
     memory = ResidualMemory()
-    memory.update(0, ((6,),), torch.ones(6), torch.tensor([0], dtype=torch.int32))
+    memory.update(0, (("(6,)", 6),), torch.ones(6), torch.tensor([0], dtype=torch.int32))
     g = torch.ones(6)
-    assert torch.equal(memory.compensate(0, ((2,), (4,)), g.clone()), g)
+    assert torch.equal(memory.compensate(0, (("(2,)", 2), ("(4,)", 4)), g.clone()), g)
     assert memory.residual(0) is None
+
+
+def test_named_memory_moves_residuals_with_their_parameters_when_buckets_are_rebuilt() -> None:
+    memory = ResidualMemory(named=True)
+    # Initial layout: bucket 0 = [a(2), b(3)], bucket 1 = [c(1)].
+    memory.update(0, (("a", 2), ("b", 3)), torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), torch.tensor([4], dtype=torch.int32))
+    memory.update(1, (("c", 1),), torch.tensor([7.0]), torch.tensor([], dtype=torch.int32))
+    # Rebuilt: bucket 0 = [c, b], bucket 1 = [a].
+    assert memory.compensate(0, (("c", 1), ("b", 3)), torch.zeros(4)).tolist() == [7.0, 3.0, 4.0, 0.0]
+    assert memory.compensate(1, (("a", 2),), torch.zeros(2)).tolist() == [1.0, 2.0]
+
+
+def test_named_state_dict_restores_under_another_bucket_layout() -> None:
+    memory = ResidualMemory(named=True)
+    memory.update(0, (("a", 2), ("b", 2)), torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0], dtype=torch.int32))
+    restored = ResidualMemory(named=True)
+    restored.load_state_dict(memory.state_dict())
+    assert restored.compensate(5, (("b", 2),), torch.zeros(2)).tolist() == [3.0, 4.0]
+    assert restored.compensate(2, (("a", 2),), torch.zeros(2)).tolist() == [0.0, 2.0]
+    with pytest.raises(ValueError, match="stored per parameter name, but this run's hook was registered without"):
+        ResidualMemory().load_state_dict(memory.state_dict())
 
 
 def test_residual_memory_state_dict_round_trip() -> None:
     memory = ResidualMemory()
-    memory.update(3, ((4,),), torch.arange(4.0), torch.tensor([3], dtype=torch.int32))
+    layout = (("(4,)", 4),)
+    memory.update(3, layout, torch.arange(4.0), torch.tensor([3], dtype=torch.int32))
     restored = ResidualMemory()
     restored.load_state_dict(memory.state_dict())
     assert torch.equal(restored.residual(3), torch.tensor([0.0, 1.0, 2.0, 0.0]))
-    assert torch.equal(restored.compensate(3, ((4,),), torch.zeros(4)), torch.tensor([0.0, 1.0, 2.0, 0.0]))
+    assert torch.equal(restored.compensate(3, layout, torch.zeros(4)), torch.tensor([0.0, 1.0, 2.0, 0.0]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -54,6 +55,51 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout() -> None:
     results = run_world(_stall, 2, 12.0, timeout_s=3.0, sync_exit=False)
     assert "no error" not in results[0]
     assert "timed out" in results[0].lower() or "timeout" in results[0].lower()
+
+
+# ---------------------------------------------------------------- restart from a checkpoint
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _train_steps(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def _resume(rank: int, world: int, compressor: str) -> dict:
+    def fresh() -> tuple[DDP, torch.optim.Optimizer, flexcomm.FlexState]:
+        # One bucket whose parameter order DDP reverses after step 0: a restarted DDP starts
+        # again from the initial order, so the residuals must follow their parameters.
+        model = DDP(_mlp())
+        state = flexcomm.register(model, compressor=compressor, density=0.05)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
+
+    model, opt, state = fresh()
+    _train_steps(model, opt, rank, range(3))
+    checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                  "opt": copy.deepcopy(opt.state_dict()), "flex": copy.deepcopy(state.state_dict())}
+    _train_steps(model, opt, rank, range(3, 6))
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+
+    model, opt, state = fresh()  # a restarted process: new DDP, initial bucket layout
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    state.load_state_dict(checkpoint["flex"])
+    _train_steps(model, opt, rank, range(3, 6))
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)), "step": state.step}
+
+
+@pytest.mark.parametrize("compressor", ["artopk-var", "flex"])
+def test_resume_from_checkpoint_continues_bitwise(compressor: str) -> None:
+    for result in run_world(_resume, 2, compressor):
+        assert result == {"equal": True, "step": 6}
 
 
 # ---------------------------------------------------------------- hostile numbers

@@ -5,6 +5,9 @@ Usage, like PyTorch's PowerSGD hook::
     state = flexcomm.FlexState(process_group=None, compressor="artopk-star", density=0.01)
     ddp_model.register_comm_hook(state, flexcomm.hook)
 
+or ``state = flexcomm.register(ddp_model, compressor="artopk-star", density=0.01)``, which
+also names the parameters so that residuals survive bucket rebuilds and restarts.
+
 For every DDP bucket (N ranks, M elements, k = max(1, ceil(density * M))) rank i forms
 the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
 
@@ -43,12 +46,14 @@ skips the step) and every rank keeps its previous residual.
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from time import perf_counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from flexcomm.comm import agree_on_config, agree_on_times, allgather, allreduce_sum, broadcast_from, probe_collectives
 from flexcomm.compress import ResidualMemory, TopkWorkspace, k_for, mstopk_indices, pack, topk_indices, unpack_all
@@ -167,6 +172,7 @@ class FlexState:
         self._workspaces: dict[int, TopkWorkspace] = {}
         self._in_step = False
         self._config_checked = False
+        self._param_names: dict[int, str] | None = None
         self._probed_at: int | None = None
         # Gain curve of this step (density="auto"): kept energy per candidate, then the total.
         self._measure_gain = False
@@ -249,6 +255,19 @@ class FlexState:
             raise ValueError("checkpoint and this run disagree on density='auto'")
         if self.controller:
             self.controller.load_state_dict(state["controller"])
+
+    def bind_parameters(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        """Name the model's parameters, so residuals are kept per parameter (see :func:`register`)."""
+        if self.step:
+            raise RuntimeError("bind_parameters must be called before the first step")
+        self._param_names = {id(p): name for name, p in named_parameters}
+        self.memory.named = True
+
+    def _layout(self, bucket: dist.GradBucket) -> Layout:
+        params = bucket.parameters()
+        if self._param_names is None:
+            return tuple((str(tuple(p.shape)), p.numel()) for p in params)
+        return tuple((self._param_names[id(p)], p.numel()) for p in params)
 
     def fingerprint(self, first_bucket: torch.Tensor) -> dict[str, object]:
         """Everything that must be equal on all ranks for their exchanges to match."""
@@ -350,6 +369,22 @@ class _BucketContext:
             self.state._measured_compress.append((key, rec.t_compress))
 
 
+def register(ddp_model: DistributedDataParallel, state: FlexState | None = None, **state_args: Any) -> FlexState:
+    """Register :func:`hook` on ``ddp_model`` with its parameter names; return the state.
+
+    Equivalent to ``ddp_model.register_comm_hook(state, hook)``, plus names: residuals are
+    then kept per parameter, so they survive DDP's bucket rebuild and checkpoints restore
+    them under any bucket layout.  Pass a ``state`` or the arguments of :class:`FlexState`.
+    """
+    if state is None:
+        state = FlexState(process_group=ddp_model.process_group, **state_args)
+    elif state_args:
+        raise TypeError("pass either a FlexState or FlexState arguments, not both")
+    state.bind_parameters(ddp_model.module.named_parameters())
+    ddp_model.register_comm_hook(state, hook)
+    return state
+
+
 def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: exchange one bucket as ``state.compressor`` says.
 
@@ -372,7 +407,7 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     ctx = _BucketContext(
         state=state,
         index=bucket.index(),
-        layout=tuple(tuple(p.shape) for p in bucket.parameters()),
+        layout=state._layout(bucket),
         step=step,
     )
     accumulated = state.memory.compensate(ctx.index, ctx.layout, grad)

@@ -9,7 +9,9 @@ namespaces of other runs.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -38,7 +40,8 @@ from flexcomm.netem import (
     tbf_args,
     tbf_burst_bytes,
 )
-from flexcomm.netem.cluster import _absolute_program
+from flexcomm.netem import delay as delay_switch
+from flexcomm.netem.cluster import _absolute_program, _netem_args
 
 # --------------------------------------------------------------------------
 # Schedule parsing
@@ -96,6 +99,33 @@ def test_delay_per_phase() -> None:
     assert [p.duration_s for p in phases] == [30.0, 60.0, None]
 
 
+def test_jitter_per_phase() -> None:
+    phases = parse_schedule("1gbit/5ms~1ms:30s,100mbit/2ms:10s,10mbit/0ms~500us")
+    assert [p.delay_s for p in phases] == pytest.approx([5e-3, 2e-3, 0.0])
+    assert [p.jitter_s for p in phases] == pytest.approx([1e-3, 0.0, 500e-6])
+    assert phases[0] == Phase(1e9, 30.0, 5e-3, 1e-3)
+    assert Phase(1e9, 30.0, 5e-3) == Phase(1e9, 30.0, 5e-3, 0.0)  # jitter defaults to 0: old phases unchanged
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("1gbit/5ms~1ms~2ms", "more than one '~'"),
+        ("1gbit/~1ms", "expected a number"),
+        ("1gbit/5ms~", "expected a number"),
+        ("1gbit/5ms~1xs", "unknown unit"),
+        ("1gbit~1ms", "bad rate"),  # jitter needs a delay part
+    ],
+)
+def test_bad_jitter_raises(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_schedule(text)
+
+
+def test_schedule_format_mentions_jitter() -> None:
+    assert "DELAY~JITTER" in SCHEDULE_FORMAT and "RATE[/DELAY][:DURATION]" in SCHEDULE_FORMAT
+
+
 def test_whitespace_tolerated() -> None:
     assert parse_schedule(" 1gbit : 30s , 2mbit ") == [Phase(1e9, 30.0), Phase(2e6, None)]
 
@@ -143,6 +173,7 @@ _phase = st.builds(
     rate_bps=st.integers(1, 10**11).map(float),
     duration_s=st.integers(1, 10**6).map(lambda ms: ms / 1000.0),
     delay_s=st.integers(0, 10**6).map(lambda us: us / 1e6),
+    jitter_s=st.integers(0, 10**5).map(lambda us: us / 1e6),
 )
 
 
@@ -150,10 +181,11 @@ _phase = st.builds(
 @given(st.lists(_phase, min_size=1, max_size=6), st.booleans())
 def test_schedule_round_trip(phases: list[Phase], open_end: bool) -> None:
     if open_end:
-        phases = [*phases[:-1], Phase(phases[-1].rate_bps, None, phases[-1].delay_s)]
+        phases = [*phases[:-1], Phase(phases[-1].rate_bps, None, phases[-1].delay_s, phases[-1].jitter_s)]
     text = ",".join(
         format_rate(p.rate_bps)
-        + (f"/{round(p.delay_s * 1e6)}us" if p.delay_s else "")
+        + (f"/{round(p.delay_s * 1e6)}us" if p.delay_s or p.jitter_s else "")
+        + (f"~{round(p.jitter_s * 1e6)}us" if p.jitter_s else "")
         + (f":{round(p.duration_s * 1000)}ms" if p.duration_s is not None else "")
         for p in phases
     )
@@ -162,6 +194,7 @@ def test_schedule_round_trip(phases: list[Phase], open_end: bool) -> None:
     for got, want in zip(parsed, phases):
         assert got.rate_bps == pytest.approx(want.rate_bps)
         assert got.delay_s == pytest.approx(want.delay_s)
+        assert got.jitter_s == pytest.approx(want.jitter_s)
         assert (got.duration_s is None) == (want.duration_s is None)
         if want.duration_s is not None:
             assert got.duration_s == pytest.approx(want.duration_s)
@@ -198,6 +231,11 @@ def test_tbf_burst_scales_with_rate() -> None:
 
 def test_netem_delay_args() -> None:
     assert commands.netem_delay_args(0.005) == ["netem", "delay", "5000us"]
+
+
+def test_netem_args_with_jitter() -> None:
+    assert _netem_args(0.005) == ["netem", "delay", "5000us"]
+    assert _netem_args(0.005, 0.001) == ["netem", "delay", "5000us", "1000us"]
 
 
 # --------------------------------------------------------------------------
@@ -250,6 +288,30 @@ def test_runner_reports_set_rate_errors() -> None:
     with pytest.raises(RuntimeError, match="tc exploded"):
         runner.stop()
     runner.stop()  # the error is reported once; stop stays idempotent
+
+
+class _FakeJitterLink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float | None, float | None]] = []
+
+    def set_rate(self, rate_bps: float, delay_s: float | None = None, jitter_s: float | None = None) -> None:
+        self.calls.append((rate_bps, delay_s, jitter_s))
+
+
+def test_runner_passes_jitter_only_when_the_schedule_has_some() -> None:
+    link = _FakeJitterLink()
+    runner = ScheduleRunner(link, parse_schedule("1mbit/5ms~1ms:20ms,2mbit/3ms")).start()
+    assert runner.wait(5.0)
+    runner.stop()
+    assert link.calls == [(1e6, 5e-3, 1e-3), (2e6, 3e-3, 0.0)]  # back to 0 jitter explicitly
+    assert [c.jitter_s for c in runner.changes] == [1e-3, 0.0]
+    assert runner.changes[0]._asdict()["jitter_s"] == 1e-3
+    # Without jitter in the schedule, two-argument setters (older fakes, other targets) still work.
+    old = _FakeLink()
+    runner = ScheduleRunner(old, parse_schedule("1mbit/5ms")).start()
+    assert runner.wait(5.0)
+    runner.stop()
+    assert old.calls == [(1e6, 5e-3)]
 
 
 # --------------------------------------------------------------------------
@@ -313,6 +375,59 @@ def test_absolute_program() -> None:
     assert _absolute_program("env").startswith("/")
     assert _absolute_program("bin/x") == os.path.join(os.getcwd(), "bin/x")
     assert _absolute_program("/usr/bin/env") == "/usr/bin/env"
+
+
+# --------------------------------------------------------------------------
+# The user-space delay switch: pure parts (no root)
+# --------------------------------------------------------------------------
+
+
+def test_release_time_keeps_order_without_jitter() -> None:
+    rng = random.Random(0)
+    assert delay_switch.release_time(10.0, 0.005, 0.0, 0.0, rng) == pytest.approx(10.005)
+    # The delay was lowered while an earlier frame still waits: the new frame queues behind it.
+    assert delay_switch.release_time(10.001, 0.0, 0.0, 10.005, rng) == 10.005
+
+
+def test_release_time_with_jitter_is_uniform_and_never_before_arrival() -> None:
+    rng = random.Random(1)
+    times = [delay_switch.release_time(1.0, 0.005, 0.002, 99.0, rng) - 1.0 for _ in range(2000)]
+    assert min(times) >= 0.003 - 1e-12 and max(times) <= 0.007 + 1e-12  # last_release is ignored: may reorder
+    assert abs(sum(times) / len(times) - 0.005) < 2e-4
+    clipped = [delay_switch.release_time(1.0, 0.001, 0.005, 0.0, rng) for _ in range(500)]
+    assert min(clipped) >= 1.0 and any(t == 1.0 for t in clipped)
+
+
+def test_switch_control_commands() -> None:
+    sw = delay_switch.Switch([])  # no ports: no sockets, no privileges needed
+    assert sw.command("delay * 0.005 0.001") == "ok delay * 0.005 0.001"
+    assert sw.command("delay * 0.002").startswith("ok")
+    assert sw.command("delay 3 0.1").startswith("error no port 3")
+    assert sw.command("delay * -1").startswith("error")
+    assert sw.command("delay * nan").startswith("error")
+    assert sw.command("delay * x").startswith("error")
+    assert sw.command("frobnicate").startswith("error unknown command")
+    stats = json.loads(sw.command("stats")[3:])
+    assert stats["ports"] == [] and stats["queued"] == 0
+    assert sw.command("quit") == "ok quit" and not sw.running
+
+
+def test_switch_script_is_standalone() -> None:
+    """The cluster runs delay.py with ``python -I``: no flexcomm (hence no torch) import, stdlib only."""
+    out = subprocess.run([sys.executable, "-I", delay_switch.__file__, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--port" in out.stdout
+    source = open(delay_switch.__file__).read()
+    assert "import flexcomm" not in source and "from flexcomm" not in source and "from ." not in source
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"delay_backend": "tc"}, "delay_backend"), ({"switch_priority": 100}, "switch_priority"),
+     ({"schedule": "1gbit/5000s"}, "delay_s")],  # fmt: skip
+)
+def test_cluster_rejects_bad_delay_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EmulatedCluster(2, **kwargs)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------
@@ -471,3 +586,226 @@ def test_set_rate_from_another_thread_while_running() -> None:
         t.join(10)
         assert not errors
         assert cluster.qdisc_show().count("rate 300Mbit") == 4
+
+
+# --------------------------------------------------------------------------
+# Real delay (root only): netem where the kernel has it, else the user-space switch
+# --------------------------------------------------------------------------
+
+_PING_SERVER = textwrap.dedent(
+    """
+    import socket, sys
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((sys.argv[1], 29519)); srv.listen(8)
+    print("ready", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            data = conn.recv(64)
+            if not data:
+                break
+            conn.sendall(data)
+        conn.close()
+    """
+)
+_PING_CLIENT = textwrap.dedent(
+    """
+    import json, socket, sys, time
+    s = socket.create_connection((sys.argv[1], 29519), timeout=20)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(int(sys.argv[2])):
+        t = time.monotonic(); s.sendall(b"x"); assert s.recv(64) == b"x"; rtts.append(time.monotonic() - t)
+    print(json.dumps(rtts), flush=True)
+    """
+)
+
+
+def _ping(cluster: EmulatedCluster, n: int) -> list[float]:
+    """``n`` TCP round trips host 0 -> host 1 -> host 0 (a server must run on host 1)."""
+    client = cluster.popen(0, [sys.executable, "-c", _PING_CLIENT, cluster.host_addr(1), str(n)], stdout=subprocess.PIPE, text=True)
+    out, _ = client.communicate(timeout=60)
+    assert client.returncode == 0
+    return list(json.loads(out))
+
+
+def _start_ping_server(cluster: EmulatedCluster) -> None:
+    server = cluster.popen(1, [sys.executable, "-c", _PING_SERVER, cluster.host_addr(1)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+
+
+def _pid_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_netem
+def test_delay_round_trip_change_and_cleanup() -> None:
+    d = 0.005
+    with EmulatedCluster(2, f"1gbit/{d * 1e3:g}ms", prefix="fct") as cluster:
+        assert cluster.delay_emulated and cluster.delay_backend in ("netem", "switch")
+        assert cluster.delay_s == d and cluster.host_delay(1) == (d, 0.0)
+        switch_pid = cluster.switch_pid
+        if cluster.delay_backend == "switch":
+            assert switch_pid is not None and "rate 1Gbit" in cluster.qdisc_show()
+        _start_ping_server(cluster)
+        rtts = _ping(cluster, 20)
+        # A round trip crosses two delayed links: never faster than 2 x delay (0.1 ms: clock conversion slack).
+        assert sorted(rtts)[len(rtts) // 2] >= 2 * d
+        assert min(rtts) >= 2 * d - 1e-4, rtts
+        cluster.set_delay(0.02)  # applied mid-run, to the next packets
+        assert min(_ping(cluster, 5)) >= 0.04 - 1e-4
+        cluster.set_delay(0.0)
+        cluster.set_delay(0.015, host=0)  # per link: only what host 0 sends is delayed
+        assert cluster.host_delay(0) == (0.015, 0.0) and cluster.host_delay(1) == (0.0, 0.0)
+        assert min(_ping(cluster, 5)) >= 0.015 - 1e-4
+        cluster.set_rate(100e6, 0.01)  # the schedule's path: rate and delay together
+        assert cluster.delay_s == 0.01 and cluster.host_delay(0) == (0.01, 0.0)
+        assert min(_ping(cluster, 5)) >= 0.02 - 1e-4
+        if switch_pid is not None:
+            stats = cluster.switch_stats()
+            assert stats["ports"][0]["rx"] > 0 and stats["ports"][1]["tx"] > 0
+            assert stats["ports"][0]["delay_s"] == 0.01
+    _assert_gone(cluster)
+    if switch_pid is not None:
+        assert _pid_gone(switch_pid)
+    with pytest.raises(RuntimeError):
+        cluster.set_delay(0.001)  # closed
+
+
+_UDP_RECEIVER = textwrap.dedent(
+    """
+    import json, socket, struct, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    s.bind((sys.argv[1], 29520)); s.settimeout(20)
+    print("ready", flush=True)
+    got = []
+    while True:
+        data = s.recv(64)
+        seq, sent = struct.unpack("qd", data[:16])
+        if seq < 0:
+            break
+        got.append((seq, time.monotonic() - sent))
+    print(json.dumps(got), flush=True)
+    """
+)
+_UDP_SENDER = textwrap.dedent(
+    """
+    import socket, struct, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect((sys.argv[1], 29520))
+    n, gap = int(sys.argv[2]), float(sys.argv[3])
+    print("go", flush=True); sys.stdin.readline()
+    for i in range(n):
+        s.send(struct.pack("qd", i, time.monotonic()) + bytes(32))
+        time.sleep(gap)
+    time.sleep(0.2)
+    s.send(struct.pack("qd", -1, 0.0))
+    """
+)
+
+
+def _udp_stream(cluster: EmulatedCluster, n: int, gap: float, midway: object = None) -> list[tuple[int, float]]:
+    """Send ``n`` numbered datagrams host 0 -> host 1; call ``midway()`` halfway; return (seq, one-way s)."""
+    rx = cluster.popen(1, [sys.executable, "-c", _UDP_RECEIVER, cluster.host_addr(1)], stdout=subprocess.PIPE, text=True)
+    assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
+    tx = cluster.popen(0, [sys.executable, "-c", _UDP_SENDER, cluster.host_addr(1), str(n), str(gap)],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert tx.stdout is not None and tx.stdin is not None and tx.stdout.readline().strip() == "go"
+    tx.stdin.write("\n")
+    tx.stdin.flush()
+    if callable(midway):
+        time.sleep(n * gap / 2)
+        midway()
+    assert tx.wait(60) == 0
+    out, _ = rx.communicate(timeout=60)
+    return [(int(seq), float(t)) for seq, t in json.loads(out)]
+
+
+@needs_netem
+def test_switch_keeps_order_when_the_delay_drops() -> None:
+    """30 ms -> 0 ms mid-stream: later packets must queue behind earlier ones, not overtake them."""
+    with EmulatedCluster(2, "1gbit", prefix="fct", delay=True, delay_backend="switch") as cluster:
+        assert cluster.delay_backend == "switch"
+        cluster.set_delay(0.03)
+        got = _udp_stream(cluster, 600, 0.0005, midway=lambda: cluster.set_delay(0.0))
+        seqs = [seq for seq, _ in got]
+        assert len(seqs) >= 570  # UDP: allow a few losses on a loaded machine, but no reordering at all
+        assert seqs == sorted(seqs)
+        assert min(t for _, t in got[:100]) >= 0.03 - 1e-4  # the first half really was delayed
+    _assert_gone(cluster)
+
+
+@needs_netem
+def test_switch_jitter_spreads_and_reorders() -> None:
+    with EmulatedCluster(2, "1gbit/5ms~4ms", prefix="fct", delay_backend="switch") as cluster:
+        assert cluster.host_delay(0) == (0.005, 0.004) and cluster.jitter_s == 0.004
+        got = _udp_stream(cluster, 400, 0.0003)
+        seqs = [seq for seq, _ in got]
+        one_way = [t for _, t in got]
+        assert len(seqs) >= 380
+        assert seqs != sorted(seqs)  # with 4 ms of jitter and 0.3 ms spacing, reordering is all but certain
+        assert min(one_way) >= 0.001 - 1e-4  # delay - jitter
+        cluster.set_delay(0.005)  # jitter off again: order comes back
+        seqs = [seq for seq, _ in _udp_stream(cluster, 200, 0.0003)]
+        assert seqs == sorted(seqs)
+    _assert_gone(cluster)
+
+
+@needs_netem
+def test_set_delay_needs_a_delay_path() -> None:
+    with EmulatedCluster(1, "1gbit", prefix="fct") as cluster:
+        assert cluster.delay_backend is None and cluster.switch_pid is None
+        with pytest.raises(RuntimeError, match="delay=True"):
+            cluster.set_delay(0.001)
+        cluster.set_rate(1e9, 0.005)  # the schedule path only warns: "modelled, not emulated"
+        assert cluster.delay_s == 0.0
+    _assert_gone(cluster)
+
+
+@needs_netem
+def test_netem_backend_when_asked_for() -> None:
+    cluster = EmulatedCluster(1, "1gbit/1ms", prefix="fct", delay_backend="netem")
+    try:
+        cluster.start()
+    except NetemUnavailable as exc:  # this kernel has no netem: clear error, nothing left behind
+        assert "netem" in str(exc)
+    else:
+        assert cluster.delay_backend == "netem" and "netem" in cluster.qdisc_show()
+    finally:
+        cluster.close()
+    _assert_gone(cluster)
+
+
+_DELAY_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from flexcomm.netem import EmulatedCluster
+    with EmulatedCluster(2, "1gbit/1ms", prefix=sys.argv[1], delay_backend="switch") as c:
+        print(" ".join(c.namespaces), c.switch_pid, flush=True)
+        time.sleep(60)
+    """
+)
+
+
+@needs_netem
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_switch_dies_with_its_cluster(sig: signal.Signals) -> None:
+    child = subprocess.Popen([sys.executable, "-c", _DELAY_CHILD, "fcd"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    *names, pid = child.stdout.readline().split()
+    assert len(names) == 3 and set(names) <= _netns() and not _pid_gone(int(pid), 0.1)
+    child.send_signal(sig)
+    child.wait(20)
+    assert _pid_gone(int(pid))  # SIGTERM: the cluster stops it; SIGKILL: it sees EOF on its pipe and exits
+    if sig == signal.SIGKILL:
+        assert set(names) <= set(cleanup_stale("fcd"))
+    assert _netns().isdisjoint(names)

@@ -1,13 +1,15 @@
 """Emulated slow networks for data-parallel jobs on one Linux machine.
 
-``parse_schedule`` (pure) turns ``"1gbit:30s,50mbit/5ms:30s,300mbit"`` into
-phases. ``EmulatedCluster`` (root only) gives each rank its own network
-namespace behind a tbf-shaped bridge, and ``ScheduleRunner`` changes the rate
-at each phase boundary while the job runs. Call ``netem_available()`` to find
+``parse_schedule`` (pure) turns ``"1gbit:30s,50mbit/5ms~1ms:30s,300mbit"``
+into phases. ``EmulatedCluster`` (root only) gives each rank its own network
+namespace behind a tbf-shaped bridge, with a real one-way delay per link
+(netem, or the user-space switch in :mod:`flexcomm.netem.delay` where the
+kernel lacks netem), and ``ScheduleRunner`` changes rate and delay at each
+phase boundary while the job runs. Call ``netem_available()`` to find
 out (and say why not) before trying.
 """
 
-from .cluster import MAX_HOSTS, SUBNET, EmulatedCluster, cleanup_stale
+from .cluster import DELAY_BACKENDS, MAX_HOSTS, SUBNET, EmulatedCluster, cleanup_stale
 from .commands import (
     NetemCommandError,
     NetemUnavailable,
@@ -31,6 +33,7 @@ __all__ = [
     "EmulatedCluster",
     "cleanup_stale",
     "MAX_HOSTS",
+    "DELAY_BACKENDS",
     "SUBNET",
     "NetemCommandError",
     "NetemUnavailable",

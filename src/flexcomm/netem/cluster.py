@@ -10,6 +10,30 @@ Each host's interface gets a ``tbf`` root qdisc (limits what the host sends)
 and so does its bridge port (limits what the host receives), so a rank's
 upload and download are both capped at the link rate, like a switch port.
 
+Delay (one-way, per host link, changeable while a job runs, optional jitter)
+is applied to what each host *sends*, so A -> B sees A's delay and a round
+trip A -> B -> A sees A's plus B's. Two backends:
+
+* ``netem`` where the kernel has it: a netem root qdisc on each host
+  interface with the tbf as its child.
+* otherwise a user-space switch (:mod:`flexcomm.netem.delay`) replaces the
+  kernel bridge: a separate process in the bridge namespace reads every frame
+  from the bridge-side veths with AF_PACKET sockets, holds it for the sending
+  host's delay and writes it to the destination's port (whose tbf still
+  shapes the download). Delay changes go to it over a pipe and apply to the
+  next frame. It runs at SCHED_FIFO priority ``switch_priority`` so its
+  timers fire on time on a busy machine; the MTU stays 1500 (GSO packets of
+  up to 64 KiB pass through it whole), and the tbf burst is at least
+  ``_SWITCH_MIN_BURST`` so tbf does not cut them up. The process is stopped
+  with the cluster on every exit path, and exits by itself when its pipe
+  closes (the cluster's process died).
+
+A delay path is built when the schedule has a delay or jitter in any phase, or
+when ``delay=True`` (e.g. to start at 0 ms and add delay later with
+:meth:`EmulatedCluster.set_delay`). With a delay path, the hosts' TCP buffer
+limits (``net.ipv4.tcp_rmem``/``tcp_wmem``, namespaced sysctls) are raised so
+a window can cover bandwidth x round trip.
+
 Nothing is done in the root namespace: veths are created inside the bridge
 namespace with their peer placed directly into the host namespace, and the
 10.99.0.0/24 addresses only ever exist inside these namespaces.
@@ -23,19 +47,25 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import logging
 import os
 import re
 import shutil
 import signal
+import select
 import subprocess
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
 from .commands import (
     NetemCommandError,
+    NetemUnavailable,
     netem_delay_args,
     require_netem,
     run_cmd,
@@ -45,7 +75,7 @@ from .commands import (
 from .runner import RateChange, ScheduleRunner
 from .schedule import Phase, parse_schedule
 
-__all__ = ["EmulatedCluster", "cleanup_stale", "SUBNET", "MAX_HOSTS"]
+__all__ = ["EmulatedCluster", "cleanup_stale", "SUBNET", "MAX_HOSTS", "DELAY_BACKENDS"]
 
 log = logging.getLogger("flexcomm.netem")
 
@@ -59,6 +89,16 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _NETEM_HANDLE = "1:"
 _NETEM_CHILD_PARENT = "1:1"
 _TBF_CHILD_HANDLE = "10:"
+#: Values of EmulatedCluster(delay_backend=...).
+DELAY_BACKENDS = ("auto", "netem", "switch")
+#: Smallest tbf burst with the delay switch: a whole 64 KiB GSO packet (plus the
+#: per-segment headers tbf counts) must fit, or tbf cuts it into ~45 MTU-sized
+#: frames that the switch then has to forward one by one (measured at 100 Mbit/s:
+#: ~20k frames/s and ~35% of a core instead of ~200 frames/s and ~3%).
+_SWITCH_MIN_BURST = 80_000
+#: Seconds to wait for the delay switch to start / to answer a command.
+_SWITCH_START_TIMEOUT = 30.0
+_SWITCH_REPLY_TIMEOUT = 10.0
 
 
 # --------------------------------------------------------------------------
@@ -194,6 +234,20 @@ def _absolute_program(program: str) -> str:
     return os.path.abspath(found)
 
 
+def _netem_args(delay_s: float, jitter_s: float = 0.0) -> list[str]:
+    """``netem delay D [J]`` (microseconds); netem's jitter is uniform in D +- J by default."""
+    args = netem_delay_args(delay_s)
+    if jitter_s > 0:
+        args.append(f"{max(1, int(round(jitter_s * 1e6)))}us")
+    return args
+
+
+def _check_delay(delay_s: float, jitter_s: float) -> None:
+    for name, value in (("delay_s", delay_s), ("jitter_s", jitter_s)):
+        if not (isinstance(value, (int, float)) and 0 <= value <= 3600):
+            raise ValueError(f"{name} must be a number of seconds in [0, 3600], got {value!r}")
+
+
 def _list_netns(ip: str) -> list[str]:
     """Names from ``ip netns list`` (lines look like ``name (id: 3)``)."""
     return [line.split()[0] for line in run_cmd([ip, "netns", "list"]).splitlines() if line.strip()]
@@ -275,6 +329,17 @@ class EmulatedCluster:
             also carry the pid (and a per-process counter for namespaces) so
             concurrent clusters never clash and :func:`cleanup_stale` can tell
             live runs from dead ones.
+        delay: build a delay path? ``None`` (default): only if some phase of
+            the schedule has a delay or jitter; ``True``: always, so
+            :meth:`set_delay` works on a schedule without delay (and a 0 ms
+            baseline goes through the same path); ``False``: never (requested
+            delays are then only logged).
+        delay_backend: ``"auto"`` (netem if the kernel has it, else the
+            user-space switch), ``"netem"`` (fail without it) or ``"switch"``.
+        switch_priority: SCHED_FIFO priority of the switch process (1-99), so
+            its timers fire on time on a busy machine; 0 = normal scheduling.
+        tcp_buffer_max: with a delay path, raise the maximum of the hosts'
+            ``tcp_rmem``/``tcp_wmem`` to at least this many bytes (0 = leave).
 
     Raises:
         NetemUnavailable: on ``start()``/``__enter__`` without root or without
@@ -282,11 +347,25 @@ class EmulatedCluster:
         ValueError: bad arguments, or names that would exceed 15 characters.
     """
 
-    def __init__(self, n_hosts: int, schedule: str | Sequence[Phase] | None = "none", prefix: str = "fc") -> None:
+    def __init__(
+        self,
+        n_hosts: int,
+        schedule: str | Sequence[Phase] | None = "none",
+        prefix: str = "fc",
+        *,
+        delay: bool | None = None,
+        delay_backend: str = "auto",
+        switch_priority: int = 10,
+        tcp_buffer_max: int = 64 << 20,
+    ) -> None:
         if not 1 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"n_hosts must be in 1..{MAX_HOSTS}, got {n_hosts}")
         if not _PREFIX_RE.match(prefix):
             raise ValueError(f"prefix must be 1-8 ASCII letters, got {prefix!r}")
+        if delay_backend not in DELAY_BACKENDS:
+            raise ValueError(f"delay_backend must be one of {DELAY_BACKENDS}, got {delay_backend!r}")
+        if not 0 <= switch_priority <= 99:
+            raise ValueError(f"switch_priority must be in 0..99, got {switch_priority!r}")
         self.n_hosts = n_hosts
         self.prefix = prefix
         self.phases: list[Phase] = parse_schedule(schedule) if isinstance(schedule, str) or schedule is None else list(schedule)
@@ -302,9 +381,25 @@ class EmulatedCluster:
                 raise ValueError(
                     f"interface name {name!r} exceeds Linux's {_IFNAME_MAX}-character limit; use a shorter prefix"
                 )
+        for p in self.phases:
+            _check_delay(p.delay_s, p.jitter_s)
         self.rate_bps: float | None = None
+        #: Delay/jitter last applied to every host (per-host values: :meth:`host_delay`).
         self.delay_s = 0.0
+        self.jitter_s = 0.0
+        #: True once a delay path (netem or the switch) is in place.
         self.delay_emulated = False
+        #: ``"netem"``, ``"switch"`` or None (no delay path); set by ``start``.
+        self.delay_backend: str | None = None
+        self._want_delay = delay
+        self._backend_request = delay_backend
+        self._switch_priority = switch_priority
+        self._tcp_buffer_max = tcp_buffer_max
+        self._host_delays = [(0.0, 0.0)] * n_hosts
+        self._switch: subprocess.Popen[bytes] | None = None
+        self._switch_stderr: Any = None
+        self._switch_buf = b""
+        self._switch_lock = threading.Lock()
         self._created_ns: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._runners: list[ScheduleRunner] = []
@@ -374,7 +469,10 @@ class EmulatedCluster:
             except BaseException:
                 self.close(raise_errors=False)
                 raise
-        log.info("netem: started %d hosts in %s (%s)", self.n_hosts, self.tag, self.describe_schedule())
+        log.info(
+            "netem: started %d hosts in %s (%s; delay: %s)",
+            self.n_hosts, self.tag, self.describe_schedule(), self.delay_backend or "none",
+        )  # fmt: skip
         return self
 
     def _ipn(self, ns: str, *args: str) -> str:
@@ -392,27 +490,81 @@ class EmulatedCluster:
         """Build the topology; on any failure ``start`` tears down what exists."""
         for ns in self.namespaces:
             self._add_netns(ns)
+        self.delay_backend = self._choose_delay_backend()
+        first = self.phases[0] if self.phases else Phase(1.0)
         br = self.bridge_netns
-        self._ipn(br, "link", "add", self.bridge_if, "type", "bridge", "stp_state", "0", "forward_delay", "0")
-        # No IPv6 link-local addresses: keeps the links silent (no RS/MLD chatter)
-        # and leaves each host interface with exactly one address for gloo.
-        self._ipn(br, "link", "set", self.bridge_if, "addrgenmode", "none")
-        self._ipn(br, "link", "set", self.bridge_if, "up")
+        if self.delay_backend != "switch":
+            self._ipn(br, "link", "add", self.bridge_if, "type", "bridge", "stp_state", "0", "forward_delay", "0")
+            # No IPv6 link-local addresses: keeps the links silent (no RS/MLD chatter)
+            # and leaves each host interface with exactly one address for gloo.
+            self._ipn(br, "link", "set", self.bridge_if, "addrgenmode", "none")
+            self._ipn(br, "link", "set", self.bridge_if, "up")
         for i in range(self.n_hosts):
             self._build_host(i)
+        if self.delay_backend is not None:
+            self._raise_tcp_buffers()
+            if self.delay_backend == "netem":
+                for i in range(self.n_hosts):
+                    self._tcn(
+                        self._host_netns[i], "qdisc", "add", "dev", self._host_if[i], "root",
+                        "handle", _NETEM_HANDLE, *_netem_args(first.delay_s, first.jitter_s),
+                    )  # fmt: skip
+            else:
+                self._start_switch(first.delay_s, first.jitter_s)
+            self.delay_emulated = True
+            self._host_delays = [(first.delay_s, first.jitter_s)] * self.n_hosts
+            self.delay_s, self.jitter_s = first.delay_s, first.jitter_s
         if self.phases:
-            self._install_qdiscs(self.phases[0])
+            self._install_qdiscs(first)
 
     def _build_host(self, i: int) -> None:
         """Veth pair created in the bridge ns with its peer placed straight into host i's ns."""
         br, ns, hif, port = self.bridge_netns, self._host_netns[i], self._host_if[i], self._port_if[i]
         self._ipn(br, "link", "add", port, "type", "veth", "peer", "name", hif, "netns", ns)
         self._ipn(br, "link", "set", port, "addrgenmode", "none")
-        self._ipn(br, "link", "set", port, "master", self.bridge_if)
+        if self.delay_backend != "switch":  # with the switch, the ports stay unbridged: it forwards
+            self._ipn(br, "link", "set", port, "master", self.bridge_if)
         self._ipn(br, "link", "set", port, "up")
         self._ipn(ns, "link", "set", hif, "addrgenmode", "none")
         self._ipn(ns, "addr", "add", f"{self.host_addr(i)}/24", "dev", hif)
         self._ipn(ns, "link", "set", hif, "up")
+
+    def _choose_delay_backend(self) -> str | None:
+        """Which delay path to build, if any (namespaces must exist: netem is probed in one)."""
+        wants = self._want_delay
+        if wants is None:
+            wants = any(p.delay_s > 0 or p.jitter_s > 0 for p in self.phases)
+        if not wants:
+            return None
+        if self._backend_request == "switch":
+            return "switch"
+        if self._netem_supported():
+            return "netem"
+        if self._backend_request == "netem":
+            raise NetemUnavailable("delay_backend='netem' but this kernel has no netem qdisc; use 'auto' or 'switch'")
+        return "switch"
+
+    def _raise_tcp_buffers(self) -> None:
+        """Let TCP windows cover bandwidth x RTT: raise tcp_rmem/tcp_wmem maxima in the host namespaces.
+
+        These sysctls are per network namespace, so nothing outside the
+        cluster changes; the minimum and default stay as the kernel set them.
+        """
+        if self._tcp_buffer_max <= 0:
+            return
+        try:
+            sysctl = tool_path("sysctl")
+        except NetemUnavailable:
+            _warn_once("no-sysctl", "netem: no 'sysctl' binary; TCP buffer limits in the hosts left as they are")
+            return
+        for ns in self._host_netns:
+            settings = []
+            for key in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
+                values = run_cmd([self._ip, "netns", "exec", ns, sysctl, "-n", key]).split()
+                if len(values) == 3 and int(values[2]) < self._tcp_buffer_max:
+                    settings.append(f"{key}={values[0]} {values[1]} {self._tcp_buffer_max}")
+            if settings:
+                run_cmd([self._ip, "netns", "exec", ns, sysctl, "-q", "-w", *settings])
 
     def _netem_supported(self) -> bool:
         """Probe once per process whether the kernel has the netem qdisc."""
@@ -430,32 +582,33 @@ class EmulatedCluster:
                 _REG.netem_supported = False
         return _REG.netem_supported
 
+    def _tbf(self, rate_bps: float) -> list[str]:
+        """tbf arguments for this cluster: :func:`tbf_args`, with a burst >= one GSO packet behind the switch."""
+        args = tbf_args(rate_bps)
+        if self.delay_backend == "switch":
+            i = args.index("burst") + 1
+            args[i] = str(max(int(args[i]), _SWITCH_MIN_BURST))
+        return args
+
     def _install_qdiscs(self, phase: Phase) -> None:
-        """Initial shaping: tbf on both ends of every veth, plus netem if delay is asked for."""
-        wants_delay = any(p.delay_s > 0 for p in self.phases)
-        if wants_delay and self._netem_supported():
-            self.delay_emulated = True
-        elif wants_delay:
-            self._warn_no_netem()
+        """First shaping: tbf on both ends of every veth (under netem's root if that backend is used)."""
         for i in range(self.n_hosts):
             ns, dev = self._host_netns[i], self._host_if[i]
-            if self.delay_emulated:
+            if self.delay_backend == "netem":
                 # Delay only on the host's egress: A->B then sees exactly one delay.
-                self._tcn(ns, "qdisc", "add", "dev", dev, "root", "handle", _NETEM_HANDLE, *netem_delay_args(phase.delay_s))
-                self._tcn(ns, "qdisc", "add", "dev", dev, "parent", _NETEM_CHILD_PARENT, "handle", _TBF_CHILD_HANDLE, *tbf_args(phase.rate_bps))
+                self._tcn(ns, "qdisc", "add", "dev", dev, "parent", _NETEM_CHILD_PARENT, "handle", _TBF_CHILD_HANDLE, *self._tbf(phase.rate_bps))
             else:
-                self._tcn(ns, "qdisc", "add", "dev", dev, "root", *tbf_args(phase.rate_bps))
-            self._tcn(self.bridge_netns, "qdisc", "add", "dev", self._port_if[i], "root", *tbf_args(phase.rate_bps))
+                self._tcn(ns, "qdisc", "add", "dev", dev, "root", *self._tbf(phase.rate_bps))
+            self._tcn(self.bridge_netns, "qdisc", "add", "dev", self._port_if[i], "root", *self._tbf(phase.rate_bps))
         self.rate_bps = phase.rate_bps
-        self.delay_s = phase.delay_s if self.delay_emulated else 0.0
 
-    def set_rate(self, rate_bps: float, delay_s: float | None = None) -> None:
+    def set_rate(self, rate_bps: float, delay_s: float | None = None, jitter_s: float | None = None) -> None:
         """Change every link to ``rate_bps`` (both directions) with ``tc qdisc change``.
 
-        ``delay_s`` updates the one-way delay when it is really emulated (netem
-        present and the schedule asked for delay at start); otherwise it is
-        only recorded in the warning log, because the qdisc tree cannot grow a
-        netem stage that the kernel lacks.
+        ``delay_s``/``jitter_s``, when given, also set every host's one-way
+        delay/jitter (see :meth:`set_delay`; None keeps the current value). A
+        cluster without a delay path (see ``delay=``) only logs a warning for a
+        non-zero delay, so schedules with delay still run there.
         """
         if rate_bps <= 0:
             raise ValueError(f"rate must be > 0, got {rate_bps!r}")
@@ -463,43 +616,193 @@ class EmulatedCluster:
             if not self._started or self._closed:
                 raise RuntimeError("set_rate needs a started, open EmulatedCluster")
             if self.rate_bps is None:  # built unshaped ("none"): add the tbfs now
-                self._install_qdiscs(Phase(rate_bps, None, 0.0))
-                self._maybe_warn_delay(delay_s)
+                self._install_qdiscs(Phase(rate_bps))
+            else:
+                for i in range(self.n_hosts):
+                    ns, dev = self._host_netns[i], self._host_if[i]
+                    if self.delay_backend == "netem":
+                        self._tcn(ns, "qdisc", "change", "dev", dev, "parent", _NETEM_CHILD_PARENT, "handle", _TBF_CHILD_HANDLE, *self._tbf(rate_bps))
+                    else:
+                        self._tcn(ns, "qdisc", "change", "dev", dev, "root", *self._tbf(rate_bps))
+                    self._tcn(self.bridge_netns, "qdisc", "change", "dev", self._port_if[i], "root", *self._tbf(rate_bps))
+                self.rate_bps = rate_bps
+            if delay_s is None and jitter_s is None:
                 return
-            for i in range(self.n_hosts):
-                self._change_host(i, rate_bps, delay_s)
-                self._tcn(self.bridge_netns, "qdisc", "change", "dev", self._port_if[i], "root", *tbf_args(rate_bps))
-            self.rate_bps = rate_bps
-            if self.delay_emulated and delay_s is not None:
-                self.delay_s = delay_s
-            self._maybe_warn_delay(delay_s)
+            if self.delay_backend is None:
+                self._maybe_warn_delay(delay_s or jitter_s)
+                return
+            self._apply_delay(
+                None,
+                self.delay_s if delay_s is None else delay_s,
+                self.jitter_s if jitter_s is None else jitter_s,
+            )
 
-    def _change_host(self, i: int, rate_bps: float, delay_s: float | None) -> None:
-        ns, dev = self._host_netns[i], self._host_if[i]
-        if not self.delay_emulated:
-            self._tcn(ns, "qdisc", "change", "dev", dev, "root", *tbf_args(rate_bps))
-            return
-        if delay_s is not None:
-            self._tcn(ns, "qdisc", "change", "dev", dev, "root", "handle", _NETEM_HANDLE, *netem_delay_args(delay_s))
-        self._tcn(ns, "qdisc", "change", "dev", dev, "parent", _NETEM_CHILD_PARENT, "handle", _TBF_CHILD_HANDLE, *tbf_args(rate_bps))
+    def set_delay(self, delay_s: float, jitter_s: float = 0.0, host: int | None = None) -> None:
+        """Set the one-way delay (and jitter) of host ``host``'s link, or of every link.
 
-    @staticmethod
-    def _warn_no_netem() -> None:
-        _warn_once(
-            "no-netem",
-            "netem: the kernel has no 'netem' qdisc, so requested delays are not applied on the wire "
-            "(latency is modelled, not emulated)",
+        The delay applies to what the host sends: A -> B takes A's delay, a
+        round trip A -> B -> A takes A's plus B's. With jitter each packet's
+        delay is uniform in ``delay_s +- jitter_s`` (clipped at 0) and packets
+        may be reordered; without jitter they keep their order, also across a
+        change. A change applies to packets sent after it (packets already in
+        flight keep their delay), within milliseconds.
+
+        Raises:
+            RuntimeError: the cluster has no delay path (build it with
+                ``delay=True`` or a schedule that has a delay).
+        """
+        _check_delay(delay_s, jitter_s)
+        if host is not None:
+            self._check_host(host)
+        with self._lock:
+            if not self._started or self._closed:
+                raise RuntimeError("set_delay needs a started, open EmulatedCluster")
+            if self.delay_backend is None:
+                raise RuntimeError(
+                    "this EmulatedCluster has no delay path; create it with delay=True "
+                    "(or a schedule with a delay) to change delays while it runs"
+                )
+            self._apply_delay(host, delay_s, jitter_s)
+
+    def _apply_delay(self, host: int | None, delay_s: float, jitter_s: float) -> None:
+        _check_delay(delay_s, jitter_s)
+        hosts = range(self.n_hosts) if host is None else [host]
+        if self.delay_backend == "switch":
+            self._switch_command(f"delay {'*' if host is None else host} {delay_s!r} {jitter_s!r}")
+        else:
+            for i in hosts:
+                self._tcn(
+                    self._host_netns[i], "qdisc", "change", "dev", self._host_if[i], "root",
+                    "handle", _NETEM_HANDLE, *_netem_args(delay_s, jitter_s),
+                )  # fmt: skip
+        for i in hosts:
+            self._host_delays[i] = (delay_s, jitter_s)
+        if host is None:
+            self.delay_s, self.jitter_s = delay_s, jitter_s
+
+    def host_delay(self, i: int) -> tuple[float, float]:
+        """``(delay_s, jitter_s)`` currently applied to what host ``i`` sends."""
+        self._check_host(i)
+        return self._host_delays[i]
+
+    # -- the user-space delay switch --------------------------------------------
+    @property
+    def switch_pid(self) -> int | None:
+        """Pid of the delay switch process (``delay_backend == "switch"``), else None."""
+        return self._switch.pid if self._switch is not None and self._switch.poll() is None else None
+
+    def _start_switch(self, delay_s: float, jitter_s: float) -> None:
+        """Start :mod:`flexcomm.netem.delay` in the bridge namespace and wait for ``ready``.
+
+        It runs as ``python -I delay.py``: isolated mode keeps the package
+        directory off sys.path, and the script needs only the standard library
+        (importing the flexcomm package would import torch).
+        """
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay.py")
+        argv = [
+            self._ip, "netns", "exec", self.bridge_netns, _absolute_program(sys.executable or "python3"), "-I", script,
+            *(arg for port in self._port_if for arg in ("--port", port)),
+            "--delay", repr(delay_s), "--jitter", repr(jitter_s), "--realtime", str(self._switch_priority),
+        ]  # fmt: skip
+        self._switch_stderr = tempfile.TemporaryFile()
+        # Own session: a Ctrl-C meant for the job must not take the network down under it.
+        self._switch = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._switch_stderr, start_new_session=True
         )
+        try:
+            line = self._switch_readline(_SWITCH_START_TIMEOUT)
+        except RuntimeError as exc:
+            raise NetemCommandError(argv, self._switch.poll() or -1, str(exc)) from None
+        if not line.startswith("ready"):
+            raise NetemCommandError(argv, -1, f"unexpected first line {line!r}")
+        log.info("netem: delay switch pid %d in %s", self._switch.pid, self.bridge_netns)
+
+    def _switch_error_text(self) -> str:
+        if self._switch_stderr is None:
+            return ""
+        try:
+            self._switch_stderr.seek(0)
+            return self._switch_stderr.read().decode(errors="replace")[-2000:]
+        except (OSError, ValueError):
+            return ""
+
+    def _switch_readline(self, timeout: float) -> str:
+        """One reply line from the switch (raw fd + select: never blocks past ``timeout``)."""
+        assert self._switch is not None and self._switch.stdout is not None
+        fd = self._switch.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._switch_buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"delay switch did not answer within {timeout:g}s")
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    rc = self._switch.poll()
+                    raise RuntimeError(f"delay switch exited (rc={rc}): {self._switch_error_text().strip()}")
+                self._switch_buf += chunk
+        line, self._switch_buf = self._switch_buf.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    def _switch_command(self, line: str) -> str:
+        """Send one control line to the switch; return its ``ok ...`` reply (raise on ``error``)."""
+        with self._switch_lock:
+            if self._switch is None or self._switch.stdin is None:
+                raise RuntimeError("no delay switch running")
+            try:
+                self._switch.stdin.write(line.encode() + b"\n")
+                self._switch.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                raise RuntimeError(f"delay switch is gone ({exc}): {self._switch_error_text().strip()}") from None
+            reply = self._switch_readline(_SWITCH_REPLY_TIMEOUT)
+        if not reply.startswith("ok"):
+            raise RuntimeError(f"delay switch refused {line!r}: {reply}")
+        return reply[2:].strip()
+
+    def switch_stats(self) -> dict[str, Any]:
+        """Counters of the delay switch (frames, bytes, drops, timer lateness, per port)."""
+        with self._lock:
+            if self.delay_backend != "switch" or self._closed:
+                raise RuntimeError("switch_stats needs an open cluster whose delay backend is the switch")
+            return dict(json.loads(self._switch_command("stats")))
+
+    def _stop_switch(self, grace_s: float = 2.0) -> None:
+        """Stop the switch (SIGTERM, then SIGKILL); safe from a signal handler."""
+        proc, self._switch = self._switch, None
+        if proc is not None:
+            try:
+                rc = proc.poll()
+                if rc is not None:  # it died while the cluster was up: say so (its traffic stopped then)
+                    log.error("netem: the delay switch had exited (rc=%s): %s", rc, self._switch_error_text().strip())
+                else:
+                    proc.terminate()
+                    try:
+                        proc.wait(grace_s)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(grace_s)
+            finally:
+                for stream in (proc.stdin, proc.stdout):
+                    try:
+                        if stream is not None:
+                            stream.close()
+                    except OSError:
+                        pass
+        if self._switch_stderr is not None:
+            try:
+                self._switch_stderr.close()
+            except OSError:
+                pass
+            self._switch_stderr = None
 
     def _maybe_warn_delay(self, delay_s: float | None) -> None:
         if delay_s and not self.delay_emulated:
-            if _REG.netem_supported is False:
-                self._warn_no_netem()
-                return
             _warn_once(
                 "delay-not-emulated",
-                "netem: delay requested but not emulated on the wire (no netem qdisc, or the cluster was "
-                "started without delay in its schedule); latency is modelled, not emulated",
+                "netem: delay requested but this cluster has no delay path (it was started with delay=False, "
+                "or without delay in its schedule); latency is modelled, not emulated. Use "
+                "EmulatedCluster(..., delay=True) to emulate it",
             )
 
     def start_schedule(self, on_change: Callable[[RateChange], None] | None = None) -> ScheduleRunner:
@@ -517,6 +820,8 @@ class EmulatedCluster:
         for p in self.phases:
             dur = "until the end" if p.duration_s is None else f"for {p.duration_s:g}s"
             delay = f", delay {p.delay_s * 1e3:g}ms" if p.delay_s else ""
+            if p.jitter_s:
+                delay += f" ~{p.jitter_s * 1e3:g}ms jitter"
             parts.append(f"{p.rate_bps / 1e6:g} Mbit/s{delay} {dur}")
         return "; ".join(parts)
 
@@ -603,6 +908,10 @@ class EmulatedCluster:
             self._stop_processes()
         except Exception as exc:  # noqa: BLE001 - keep tearing down
             errors.append(f"stopping processes: {exc}")
+        try:
+            self._stop_switch()  # before the namespaces: a live process would keep its namespace alive
+        except Exception as exc:  # noqa: BLE001 - keep tearing down
+            errors.append(f"stopping the delay switch: {exc}")
         if not self._created_ns:
             return errors
         ip = self._ip or tool_path("ip")

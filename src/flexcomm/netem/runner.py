@@ -16,7 +16,11 @@ log = logging.getLogger("flexcomm.netem")
 
 
 class RateSetter(Protocol):
-    """Anything whose link rate can be changed (EmulatedCluster, or a fake in tests)."""
+    """Anything whose link rate can be changed (EmulatedCluster, or a fake in tests).
+
+    ``ScheduleRunner`` passes ``jitter_s=`` as a keyword only when some phase
+    of its schedule has jitter, so two-argument setters keep working.
+    """
 
     def set_rate(self, rate_bps: float, delay_s: float | None = None) -> None: ...
 
@@ -31,6 +35,7 @@ class RateChange(NamedTuple):
     time_s: float
     rate_bps: float
     delay_s: float
+    jitter_s: float = 0.0
 
 
 class ScheduleRunner:
@@ -63,6 +68,8 @@ class ScheduleRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
+        # Only schedules that use jitter pass it on (and then in every phase, so it can return to 0).
+        self._pass_jitter = any(p.jitter_s > 0 for p in self.phases)
 
     def start(self) -> ScheduleRunner:
         """Start walking the schedule; returns self for chaining."""
@@ -76,10 +83,19 @@ class ScheduleRunner:
 
     def _apply(self, phase: Phase) -> None:
         """Set the phase's rate and record when it took effect."""
-        self.target.set_rate(phase.rate_bps, phase.delay_s)
-        change = RateChange(self._clock() - self._t0, phase.rate_bps, phase.delay_s)
+        if self._pass_jitter:
+            self.target.set_rate(phase.rate_bps, phase.delay_s, jitter_s=phase.jitter_s)  # type: ignore[call-arg]
+        else:
+            self.target.set_rate(phase.rate_bps, phase.delay_s)
+        change = RateChange(self._clock() - self._t0, phase.rate_bps, phase.delay_s, phase.jitter_s)
         self.changes.append(change)
-        log.info("netem: rate -> %.3g bit/s (delay %.3g s) at t=%.3f s", *change[1:], change.time_s)
+        log.info(
+            "netem: rate -> %.3g bit/s (delay %.3g s, jitter %.3g s) at t=%.3f s",
+            change.rate_bps,
+            change.delay_s,
+            change.jitter_s,
+            change.time_s,
+        )
         if self._on_change is not None:
             self._on_change(change)
 

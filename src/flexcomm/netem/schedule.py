@@ -3,7 +3,7 @@
 The grammar is deliberately tiny so a schedule fits on a command line::
 
     schedule := "none" | "" | phase ("," phase)*
-    phase    := RATE ["/" DELAY] [":" DURATION]
+    phase    := RATE ["/" DELAY ["~" JITTER]] [":" DURATION]
 
 * ``RATE`` uses tc's units, with tc's meaning (``man tc``, section RATES;
   matched case-insensitively, as tc does):
@@ -23,6 +23,9 @@ The grammar is deliberately tiny so a schedule fits on a command line::
   bare number is rejected (tc reads it as bits/s, but it is too easy to mean
   bytes), so every rate must carry a unit.
 * ``DELAY`` is a one-way delay: ``us``, ``ms`` or ``s`` (e.g. ``5ms``).
+* ``JITTER`` (same units) makes each packet's delay uniform in
+  ``[DELAY - JITTER, DELAY + JITTER]`` (clipped at 0), as netem's default
+  jitter does; packets may then be reordered. ``1gbit/5ms~1ms:30s``.
 * ``DURATION`` is ``ms``, ``s``, ``m`` (minutes) or ``h``. Every phase but the
   last needs one; a last phase without one lasts until the job ends.
 
@@ -52,6 +55,7 @@ SCHEDULE_FORMAT = (
     "'1gbit:30s,50mbit/5ms:30s,300mbit' (rates: bit kbit mbit gbit tbit, "
     "kibit..., bps kbps mbps gbps = bytes/s as in tc; delays: us ms s; "
     "durations: ms s m h; only the last phase may omit its duration; "
+    "a delay may carry jitter as DELAY~JITTER, e.g. '1gbit/5ms~1ms:30s'; "
     "'none' or '' = no emulation)"
 )
 
@@ -82,13 +86,17 @@ class Phase:
         rate_bps: link rate in bits per second (> 0).
         duration_s: how long the phase lasts; ``None`` = until the end (only
             allowed for the last phase).
-        delay_s: requested one-way delay in seconds (0 = none). Only applied
-            where the kernel has the ``netem`` qdisc; see ``EmulatedCluster``.
+        delay_s: requested one-way delay in seconds (0 = none); see
+            ``EmulatedCluster`` for how it is applied (netem, or a user-space
+            delay switch where the kernel lacks netem).
+        jitter_s: each packet's delay is uniform in ``delay_s +- jitter_s``
+            (clipped at 0); 0 keeps packets in order.
     """
 
     rate_bps: float
     duration_s: float | None = None
     delay_s: float = 0.0
+    jitter_s: float = 0.0
 
 
 def _split_number_unit(text: str, what: str, units: dict[str, float], context: str) -> float:
@@ -141,7 +149,7 @@ def parse_delay(text: str, context: str | None = None) -> float:
 
 
 def _parse_phase(text: str) -> Phase:
-    """Parse one ``RATE[/DELAY][:DURATION]`` item."""
+    """Parse one ``RATE[/DELAY[~JITTER]][:DURATION]`` item."""
     if text.strip() == "":
         raise ValueError(f"empty phase in schedule; schedule format: {SCHEDULE_FORMAT}")
     rate_part, sep, duration_part = text.partition(":")
@@ -150,10 +158,14 @@ def _parse_phase(text: str) -> Phase:
     rate_text, slash, delay_text = rate_part.partition("/")
     if slash and "/" in delay_text:
         raise ValueError(f"bad phase {text!r}: more than one '/'; schedule format: {SCHEDULE_FORMAT}")
+    delay_text, tilde, jitter_text = delay_text.partition("~")
+    if tilde and "~" in jitter_text:
+        raise ValueError(f"bad phase {text!r}: more than one '~'; schedule format: {SCHEDULE_FORMAT}")
     rate = parse_rate(rate_text, text)
     delay = parse_delay(delay_text, text) if slash else 0.0
+    jitter = parse_delay(jitter_text, text) if tilde else 0.0
     duration = parse_duration(duration_part, text) if sep else None
-    return Phase(rate_bps=rate, duration_s=duration, delay_s=delay)
+    return Phase(rate_bps=rate, duration_s=duration, delay_s=delay, jitter_s=jitter)
 
 
 def parse_schedule(text: str | None) -> list[Phase]:

@@ -1,0 +1,15 @@
+"""The ``flexcomm-train`` app: data-parallel training over a (possibly emulated, slow) network.
+
+Modules, in the order a run meets them:
+
+* :mod:`~flexcomm.train.cli` -- options, validation before any rank starts, the demo defaults;
+* :mod:`~flexcomm.train.config` -- the run's settings, shared by launcher and ranks via ``config.json``;
+* :mod:`~flexcomm.train.launch` -- starting the ranks (loopback or one per emulated host), failure handling;
+* :mod:`~flexcomm.train.worker` -- one rank: model, data, DDP with the comm hook, the training loop;
+* :mod:`~flexcomm.train.hooks` -- flexcomm's hook or PyTorch's PowerSGD/fp16, timed per step;
+* :mod:`~flexcomm.train.inputs` -- data set, partition and batch order of each rank;
+* :mod:`~flexcomm.train.checkpoint` -- per-rank atomic checkpoints and exact resume;
+* :mod:`~flexcomm.train.records` -- ``records.jsonl`` and ``summary.json``;
+* :mod:`~flexcomm.train.report` -- ``flexcomm-report``: plots and a Markdown table;
+* :mod:`~flexcomm.train.models`, :mod:`~flexcomm.train.data` -- models and data sources.
+"""

@@ -1,0 +1,361 @@
+"""``flexcomm-train``: data-parallel training with a flexcomm (or PyTorch) DDP comm hook.
+
+With no arguments it runs the README's demo: 2 ranks train a narrow ResNet-18 for two
+epochs on a Fashion-MNIST subset with AR-Topk (STAR) at density 0.01, over an emulated network
+whose bandwidth drops from 1 Gbit/s to 100 Mbit/s after 20 s (plain loopback where
+emulation is unavailable), then writes the report.
+
+Every option is checked before any rank starts, because a mistake found by N ranks
+half-way through start-up is reported N times, late, and mixed with their output:
+names, ranges, option combinations, the bandwidth schedule (with netem's own parser),
+whether emulation works here, the data set (loaded once), whether the model fits the
+data (a forward pass on the meta device, which costs no memory), the output directory
+and, with ``--resume``, every rank's checkpoint.  The ranks are then started by
+:mod:`flexcomm.train.launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from flexcomm.netem import MAX_HOSTS, netem_available, parse_schedule
+from flexcomm.train import checkpoint
+from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig, available_compressors
+from flexcomm.train.inputs import (
+    DATASETS,
+    DEFAULT_DIRICHLET_ALPHA,
+    PARTITIONS,
+    Arrays,
+    load_arrays,
+    partitions,
+    steps_per_epoch,
+)
+from flexcomm.train.launch import RankFailed, launch
+from flexcomm.train.models import MODEL_NAMES, build_model
+from flexcomm.train.records import RECORDS_FILE
+
+#: What ``--net auto`` emulates: a fast link that turns slow mid-run.
+AUTO_SCHEDULE = "1gbit:20s,100mbit"
+DEFAULT_DENSITY = 0.01
+DEFAULT_EPOCHS = 2.0
+AUTO_DENSITY_MESSAGE = "density=auto needs the dynamic compression-ratio controller, not available yet"
+
+_DEFAULTS = TrainConfig()
+
+
+# -- argument types: each names the rule that was broken ------------------------------
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float, low_open: bool = True) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        if not math.isfinite(value) or too_low or value > high:
+            bracket = "(" if low_open else "["
+            upper = "inf)" if math.isinf(high) else f"{high:g}]"
+            raise argparse.ArgumentTypeError(f"must be in {bracket}{low:g}, {upper}, got {text}")
+        return value
+
+    return parse
+
+
+def _density(text: str) -> float:
+    if text.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError(AUTO_DENSITY_MESSAGE)
+    return _float_in(0.0, 1.0)(text)
+
+
+def _schedule(text: str) -> str:
+    if text.strip().lower() in ("auto", "none"):
+        return text.strip().lower()
+    try:
+        parse_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+# -- the parser --------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flexcomm-train",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=(
+            "Ranks are subprocesses running `python -m flexcomm.train.worker RUN_DIR/config.json` with torchrun's "
+            "environment variables; with an emulated network, one per emulated host. If a rank fails, the others "
+            "are stopped and flexcomm-train exits non-zero with that rank's error."
+        ),
+    )
+    model = parser.add_argument_group("model and data")
+    model.add_argument("--model", choices=MODEL_NAMES, default=_DEFAULTS.model, help="(default: %(default)s)")
+    model.add_argument("--width", type=_float_in(0.0, math.inf), default=_DEFAULTS.width, metavar="W",
+                       help="multiplier of every layer width, for CPU-sized models (default: %(default)s)")
+    model.add_argument("--dataset", choices=DATASETS, default=_DEFAULTS.dataset,
+                       help="npz: --data-dir holds train.npz and test.npz with arrays x and y (default: %(default)s)")
+    model.add_argument("--data-dir", metavar="DIR",
+                       help="where the data set is (fashion-mnist: /usr/share/datasets/fashion-mnist)")
+    model.add_argument("--train-subset", type=_int_at_least(0), default=_DEFAULTS.train_subset, metavar="N",
+                       help="use the first N training samples (all if fewer); 0 = all (default: %(default)s)")
+    model.add_argument("--test-subset", type=_int_at_least(0), default=_DEFAULTS.test_subset, metavar="N",
+                       help="evaluate on the first N test samples (all if fewer); 0 = all (default: %(default)s)")
+    model.add_argument("--partition", choices=PARTITIONS, default=_DEFAULTS.partition,
+                       help="how training samples are split over ranks (default: %(default)s)")
+    model.add_argument("--dirichlet-alpha", type=_float_in(0.0, math.inf), metavar="ALPHA",
+                       help="label skew of --partition dirichlet; smaller = more skewed "
+                            f"(default: {DEFAULT_DIRICHLET_ALPHA})")
+
+    comm = parser.add_argument_group("gradient exchange")
+    comm.add_argument("--compressor", choices=available_compressors(), default=_DEFAULTS.compressor, metavar="NAME",
+                      help="one of {%(choices)s}: flexcomm's compressors, or PyTorch's PowerSGD and fp16 hooks "
+                           "as baselines (default: %(default)s)")
+    comm.add_argument("--density", type=_density, metavar="C",
+                      help=f"fraction of each bucket's elements sent, in (0, 1]; flexcomm compressors only "
+                           f"(default: {DEFAULT_DENSITY})")
+    comm.add_argument("--warmup-steps", type=_int_at_least(0), default=_DEFAULTS.warmup_steps, metavar="N",
+                      help="exchange dense for the first N steps; PowerSGD: at least 2 (default: %(default)s)")
+    comm.add_argument("--powersgd-rank", type=_int_at_least(1), metavar="R",
+                      help="PowerSGD's matrix approximation rank (default: 1)")
+
+    run = parser.add_argument_group("cluster")
+    run.add_argument("--nproc", type=_int_at_least(1), default=_DEFAULTS.nproc, metavar="N",
+                     help="number of ranks (default: %(default)s)")
+    run.add_argument("--net", type=_schedule, default=_DEFAULTS.net, metavar="SCHEDULE",
+                     help=f"bandwidth schedule of an emulated network, e.g. 1gbit:30s,50mbit:30s,300mbit; "
+                          f"'none' = plain loopback; 'auto' = {AUTO_SCHEDULE} where emulation works, else loopback "
+                          "(default: %(default)s)")
+    run.add_argument("--threads", type=_int_at_least(1), metavar="N",
+                     help="torch threads per rank (default: CPU cores / --nproc, at least 1)")
+    run.add_argument("--timeout", type=_float_in(0.0, math.inf), default=_DEFAULTS.timeout, metavar="SECONDS",
+                     help="process-group timeout: a rank stuck this long in a collective fails the job "
+                          "(default: %(default)s)")
+
+    train = parser.add_argument_group("training")
+    length = train.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_int_at_least(1), metavar="N", help="number of steps")
+    length.add_argument("--epochs", type=_float_in(0.0, math.inf), metavar="E",
+                        help=f"number of epochs (default: {DEFAULT_EPOCHS:g}, unless --steps is given)")
+    train.add_argument("--batch-size", type=_int_at_least(1), default=_DEFAULTS.batch_size, metavar="N",
+                       help="per rank (default: %(default)s)")
+    train.add_argument("--lr", type=_float_in(0.0, math.inf), default=_DEFAULTS.lr,
+                       help="SGD learning rate (default: %(default)s)")
+    train.add_argument("--momentum", type=_float_in(0.0, 1.0, low_open=False), default=_DEFAULTS.momentum,
+                       help="SGD momentum (default: %(default)s)")
+    train.add_argument("--eval-every", type=_int_at_least(1), default=_DEFAULTS.eval_every, metavar="N",
+                       help="evaluate every N steps and at the end (default: %(default)s)")
+    train.add_argument("--target-acc", type=_float_in(0.0, 1.0), metavar="ACC",
+                       help="stop at the first evaluation with at least this test accuracy; the time to it is recorded")
+    train.add_argument("--seed", type=_int_at_least(0), default=_DEFAULTS.seed,
+                       help="seeds the model, the partition, the data order and dropout (default: %(default)s)")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", metavar="DIR", help="run directory (default: runs/<timestamp>-<model>-<compressor>)")
+    output.add_argument("--checkpoint-every", type=_int_at_least(0), default=_DEFAULTS.checkpoint_every, metavar="N",
+                        help="checkpoint every N steps and at the end; 0 = never (default: %(default)s)")
+    output.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    output.add_argument("--no-report", action="store_true",
+                        help="skip the report at the end (in sweeps: run flexcomm-report over all runs afterwards)")
+    return parser
+
+
+# -- validation ---------------------------------------------------------------------------
+def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, list[str]]:
+    """Parse and fully validate a command line; return the resolved config and notes to print.
+
+    Errors exit through ``parser.error`` (status 2) with a message naming the option.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    notes: list[str] = []
+    try:
+        _check_combinations(args)
+        net = _resolve_net(args.net, args.nproc, notes)
+        cfg = _config_from(args, net)
+        arrays, per_epoch = _check_data(cfg)
+        cfg.steps = args.steps or max(1, math.ceil((args.epochs or DEFAULT_EPOCHS) * per_epoch))
+        _check_model_fits(cfg, arrays)
+        cfg.out = str(_prepare_out(args.out, cfg))
+        if cfg.resume:
+            step = checkpoint.validate_resume(Path(cfg.out), cfg)
+            notes.append(f"flexcomm-train: resuming {cfg.out} at step {step}")
+    except _OptionError as exc:
+        parser.error(str(exc))
+    except checkpoint.CheckpointError as exc:
+        parser.error(f"--resume: {exc}")
+    return cfg, notes
+
+
+class _OptionError(ValueError):
+    """A bad option value or combination; the message names the option."""
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    flexcomm_compressor = args.compressor not in TORCH_COMPRESSORS
+    if args.dirichlet_alpha is not None and args.partition != "dirichlet":
+        raise _OptionError("--dirichlet-alpha only applies to --partition dirichlet")
+    if args.powersgd_rank is not None and args.compressor != "powersgd":
+        raise _OptionError("--powersgd-rank only applies to --compressor powersgd")
+    if args.density is not None and not flexcomm_compressor:
+        raise _OptionError(f"--density does not apply to --compressor {args.compressor}")
+    if args.warmup_steps and args.compressor == "fp16":
+        raise _OptionError("--warmup-steps does not apply to --compressor fp16")
+    if args.data_dir is not None and args.dataset == "synthetic":
+        raise _OptionError("--data-dir does not apply to --dataset synthetic")
+    if args.dataset == "npz" and args.data_dir is None:
+        raise _OptionError("--dataset npz needs --data-dir (a directory with train.npz and test.npz)")
+    if args.resume and args.out is None:
+        raise _OptionError("--resume needs --out DIR, the run directory to continue")
+
+
+def _resolve_net(net: str, nproc: int, notes: list[str]) -> str:
+    """The schedule to emulate, or ``"none"``; ``auto`` falls back to loopback with a note."""
+    if net == "none":
+        return "none"
+    available, reason = netem_available()
+    if net == "auto":
+        if available:
+            return AUTO_SCHEDULE
+        notes.append(f"flexcomm-train: network emulation unavailable ({reason}); using plain loopback")
+        return "none"
+    if not available:
+        raise _OptionError(
+            f"--net {net}: network emulation is unavailable here: {reason}; use --net none for plain loopback"
+        )
+    if nproc > MAX_HOSTS:
+        raise _OptionError(f"--nproc {nproc}: an emulated network has at most {MAX_HOSTS} hosts")
+    return net
+
+
+def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
+    flexcomm_compressor = args.compressor not in TORCH_COMPRESSORS
+    alpha = args.dirichlet_alpha
+    if args.partition == "dirichlet" and alpha is None:
+        alpha = DEFAULT_DIRICHLET_ALPHA
+    return TrainConfig(
+        model=args.model,
+        width=args.width,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        train_subset=args.train_subset,
+        test_subset=args.test_subset,
+        partition=args.partition,
+        dirichlet_alpha=alpha,
+        compressor=args.compressor,
+        density=(args.density or DEFAULT_DENSITY) if flexcomm_compressor else None,
+        warmup_steps=args.warmup_steps,
+        powersgd_rank=(args.powersgd_rank or 1) if args.compressor == "powersgd" else None,
+        nproc=args.nproc,
+        net=net,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        eval_every=args.eval_every,
+        target_acc=args.target_acc,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        timeout=args.timeout,
+        threads=args.threads or max(1, (os.cpu_count() or 1) // args.nproc),
+        report=not args.no_report,
+    )
+
+
+def _check_data(cfg: TrainConfig) -> tuple[Arrays, int]:
+    """Load the data once, as the ranks will, and split it; return it and the steps per epoch."""
+    try:
+        arrays = load_arrays(cfg)
+    except (OSError, ValueError) as exc:
+        raise _OptionError(f"--dataset {cfg.dataset}: {exc}") from None
+    try:
+        parts = partitions(arrays.train_y, cfg)
+        per_epoch = steps_per_epoch(parts, cfg.batch_size)
+    except ValueError as exc:
+        raise _OptionError(f"--partition {cfg.partition} over --nproc {cfg.nproc}: {exc}") from None
+    return arrays, per_epoch
+
+
+def _check_model_fits(cfg: TrainConfig, arrays: Arrays) -> None:
+    """Build the model on the meta device and push one batch through: no memory, no compute."""
+    shape = (2, arrays.in_channels, arrays.image_size, arrays.image_size)
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, arrays.num_classes, arrays.in_channels, arrays.image_size, cfg.width)
+            model(torch.empty(shape))
+    except (ValueError, RuntimeError) as exc:
+        raise _OptionError(
+            f"--model {cfg.model} --width {cfg.width:g} does not fit the data "
+            f"({arrays.in_channels}x{arrays.image_size}x{arrays.image_size} images): {exc}"
+        ) from None
+
+
+def _prepare_out(out: str | None, cfg: TrainConfig) -> Path:
+    """Create (or, with --resume, find) the run directory and prove it is writable."""
+    run_dir = Path(out) if out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.compressor}"
+    if cfg.resume:
+        if not run_dir.is_dir():
+            raise _OptionError(f"--out {run_dir}: no such run directory to resume")
+    elif (run_dir / RECORDS_FILE).exists() or checkpoint.checkpoint_dir(run_dir).exists():
+        raise _OptionError(
+            f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another directory"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise _OptionError(f"--out {run_dir}: cannot write there ({exc.strerror or exc})") from None
+    return run_dir
+
+
+# -- entry point --------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    cfg, notes = parse_config(argv)
+    for note in notes:
+        print(note)
+    run_dir = Path(str(cfg.out))
+    cfg.save(run_dir)
+    network = "plain loopback" if cfg.net == "none" else f"emulated network {cfg.net}"
+    print(f"flexcomm-train: {cfg.nproc} rank(s) over {network}; run directory {run_dir}", flush=True)
+    try:
+        launch(cfg, run_dir)
+    except RankFailed as exc:
+        raise SystemExit(f"flexcomm-train: {exc}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("flexcomm-train: interrupted; all ranks were stopped") from None
+    print(f"flexcomm-train: records in {run_dir / RECORDS_FILE}, summary in {run_dir / 'summary.json'}")
+    if cfg.report:
+        _report(run_dir)
+
+
+def _report(run_dir: Path) -> None:
+    from flexcomm.train.report import write_report  # matplotlib: imported only once there is a run to plot
+
+    written = write_report([run_dir], run_dir)
+    print("flexcomm-train: report: " + ", ".join(str(p) for p in written))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

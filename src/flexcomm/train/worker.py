@@ -1,0 +1,343 @@
+"""One rank of a ``flexcomm-train`` run: ``python -m flexcomm.train.worker RUN_DIR/config.json``.
+
+The rank learns who it is from the environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as under ``torchrun``, and joins the
+job with ``init_process_group(init_method="env://")``: gloo on CPU, NCCL when CUDA is
+available.  Nothing assumes the ranks share a machine except the run directory, which
+every rank reads its config from and writes its checkpoint to.
+
+Rank 0 writes the logs (see :mod:`flexcomm.train.records`), ``data.json`` (partition
+sizes and per-rank label histograms) and ``summary.json``, and shows the progress bar.
+A rank that fails writes ``error-rank<r>.json`` so the launcher can say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from flexcomm.train import checkpoint
+from flexcomm.train.config import TrainConfig
+from flexcomm.train.hooks import StepComm, TimedHook
+from flexcomm.train.inputs import (
+    Arrays,
+    batch_indices,
+    label_histograms,
+    load_arrays,
+    partitions,
+    rank_tensors,
+    steps_per_epoch,
+)
+from flexcomm.train.models import build_model, count_parameters
+from flexcomm.train.records import RecordWriter, read_records, summarize, write_summary
+
+#: Rank 0 creates this once every rank is ready to train; the launcher starts the bandwidth schedule then.
+STARTED_MARKER = ".training-started"
+DATA_FILE = "data.json"
+EVAL_BATCH = 500
+
+
+def error_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"error-rank{rank}.json"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this process is in the job, and where it computes."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @classmethod
+    def from_env(cls) -> Identity:
+        try:
+            rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        except KeyError as exc:
+            raise SystemExit(f"flexcomm.train.worker needs {exc.args[0]} in its environment; use flexcomm-train")
+        if torch.cuda.is_available():
+            return cls(rank, world, torch.device("cuda", local % torch.cuda.device_count()))
+        return cls(rank, world, torch.device("cpu"))
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m flexcomm.train.worker", description="One rank of flexcomm-train.")
+    parser.add_argument("config", type=Path, help="the run's config.json, written by flexcomm-train")
+    config_path = parser.parse_args(argv).config
+    cfg = TrainConfig.load(config_path)
+    me = Identity.from_env()
+    try:
+        run_rank(cfg, config_path.parent, me)
+    except Exception as exc:
+        if not error_file(config_path.parent, me.rank).exists():
+            _write_error(config_path.parent, me.rank, exc)
+        raise
+
+
+def run_rank(cfg: TrainConfig, run_dir: Path, me: Identity) -> None:
+    """Join the process group, train, leave."""
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group(me.backend, init_method="env://", timeout=timedelta(seconds=cfg.timeout))
+    try:
+        Trainer(cfg, run_dir, me).run()
+    except Exception as exc:
+        # Written before the group is torn down: peers fail only once it is, so the
+        # launcher sees the original error first (by its time stamp).
+        _write_error(run_dir, me.rank, exc)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
+    info = {
+        "rank": rank,
+        "time": time.time(),
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback.format_exc(),
+    }
+    error_file(run_dir, rank).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    """A per-rank seed for dropout etc.: ranks must not draw identical masks."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+class Trainer:
+    """Model, data, exchange and optimizer of one rank, and the loop over steps."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, me: Identity) -> None:
+        if cfg.steps is None:
+            raise ValueError("config.json has no resolved step count; start runs with flexcomm-train")
+        self.cfg, self.run_dir, self.me = cfg, run_dir, me
+        self.arrays: Arrays = load_arrays(cfg)
+        self.parts = partitions(self.arrays.train_y, cfg)
+        self.per_epoch = steps_per_epoch(self.parts, cfg.batch_size)
+        self.data = rank_tensors(self.arrays, self.parts[me.rank], me.rank, me.world_size, me.device)
+        torch.manual_seed(cfg.seed)  # the same initial model on every rank
+        arrays = self.arrays
+        model = build_model(cfg.model, arrays.num_classes, arrays.in_channels, arrays.image_size, cfg.width)
+        self.param_count = count_parameters(model)
+        device_ids = [me.device.index] if me.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model.to(me.device), device_ids=device_ids)
+        self.hook = TimedHook(cfg)
+        self.hook.register(self.ddp)
+        self.hook.prime(self.ddp, self.data.train_x[: cfg.batch_size], self.data.train_y[: cfg.batch_size])
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        torch.manual_seed(_rank_seed(cfg.seed, me.rank))
+        self.start_step, self.elapsed_before = self._restore() if cfg.resume else (0, 0.0)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def _restore(self) -> tuple[int, float]:
+        """Load this rank's newest checkpoint; return (step to continue from, wall time so far)."""
+        step = checkpoint.read_latest(self.run_dir)["step"]
+        payload = checkpoint.load_rank(self.run_dir, self.me.rank, step, map_location=self.me.device)
+        checkpoint.check_compatible(payload["meta"]["config"], self.cfg, checkpoint.checkpoint_dir(self.run_dir))
+        if payload["data_order"]["steps_per_epoch"] != self.per_epoch:
+            raise checkpoint.CheckpointError(
+                f"cannot resume: the checkpoint's data had {payload['data_order']['steps_per_epoch']} steps per epoch, "
+                f"this run's has {self.per_epoch} (did the data set change?)"
+            )
+        self.ddp.module.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.hook.load_state_dict(payload["comm"])
+        torch.set_rng_state(payload["rng"]["torch"].cpu())
+        if payload["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(payload["rng"]["cuda"].cpu(), self.me.device)
+        return step, float(payload["elapsed"])
+
+    def _save(self, steps_done: int, elapsed: float) -> None:
+        """Every rank saves its file; rank 0 publishes the set once all exist; then old files go."""
+        cuda = self.me.device.type == "cuda"
+        state = {
+            "model": self.ddp.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "comm": self.hook.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(self.me.device) if cuda else None},
+            # The order itself is a function of (seed, epoch, rank); the position is the step.
+            "data_order": {"steps_per_epoch": self.per_epoch, "epoch": steps_done // self.per_epoch,
+                           "batch": steps_done % self.per_epoch},
+            "elapsed": elapsed,
+        }
+        checkpoint.save_rank(self.run_dir, self.cfg, self.me.rank, steps_done, state)
+        self._barrier()
+        if self.me.rank == 0:
+            checkpoint.publish(self.run_dir, self.cfg, steps_done)
+        self._barrier()
+        checkpoint.prune(self.run_dir, self.me.rank, steps_done)
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self) -> None:
+        cfg, lead = self.cfg, self.me.rank == 0
+        writer = RecordWriter(self.run_dir, self.start_step) if lead else None
+        if lead:
+            self._announce()
+        self._barrier()
+        if lead:
+            (self.run_dir / STARTED_MARKER).touch()
+        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not lead, unit="step", dynamic_ncols=True)
+        t0 = perf_counter() - self.elapsed_before
+        accuracy: float | None = None
+        try:
+            for step in range(self.start_step, cfg.steps):
+                record = self._train_step(step)
+                done = step + 1 == cfg.steps
+                if (step + 1) % cfg.eval_every == 0 or done:
+                    accuracy, record["test_loss"] = self.evaluate()
+                    record["accuracy"] = accuracy
+                    done = done or (cfg.target_acc is not None and accuracy >= cfg.target_acc)
+                record["wall"] = perf_counter() - t0
+                if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or done):
+                    self._save(step + 1, perf_counter() - t0)
+                if writer is not None:
+                    writer.write(record)
+                    _show(bar, record, accuracy)
+                if done:
+                    break
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        if lead:
+            self._write_summary()
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        started = perf_counter()
+        cfg = self.cfg
+        positions = batch_indices(len(self.data.train_y), step, self.per_epoch, cfg.batch_size, cfg.seed, self.me.rank)
+        index = torch.from_numpy(positions).to(self.me.device)
+        x, y = self.data.train_x[index], self.data.train_y[index]
+        self.hook.begin_step()
+        computing = perf_counter()
+        loss = F.cross_entropy(self.ddp(x), y)
+        loss.backward()
+        backward_end = self._now()
+        comm = self.hook.end_step(backward_end)
+        if comm.finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        finished = self._now()
+        return {
+            "step": step,
+            "epoch": step // self.per_epoch,
+            "loss": loss.item(),
+            "t_step": finished - started,
+            "t_compute": backward_end - computing,
+            "t_optim": finished - backward_end,
+            **_comm_fields(comm),
+        }
+
+    def evaluate(self) -> tuple[float, float]:
+        """Accuracy and mean loss of rank 0's model on the (sharded) test set.
+
+        Rank 0's buffers (BatchNorm statistics) are broadcast first, as DDP does before
+        every forward, so every shard is scored by the same model.
+        """
+        module = self.ddp.module
+        for buffer in module.buffers():
+            dist.broadcast(buffer, 0)
+        module.eval()
+        correct, loss_sum = 0, 0.0
+        x, y = self.data.test_x, self.data.test_y
+        with torch.no_grad():
+            for i in range(0, len(y), EVAL_BATCH):
+                logits = module(x[i : i + EVAL_BATCH])
+                loss_sum += float(F.cross_entropy(logits, y[i : i + EVAL_BATCH], reduction="sum"))
+                correct += int((logits.argmax(1) == y[i : i + EVAL_BATCH]).sum())
+        module.train()
+        totals = torch.tensor([correct, loss_sum, len(y)], dtype=torch.float64, device=self.me.device)
+        dist.all_reduce(totals)
+        correct_all, loss_all, n = totals.tolist()
+        return correct_all / n, loss_all / n
+
+    # -- rank 0's reporting --------------------------------------------------------
+    def _announce(self) -> None:
+        cfg, arrays = self.cfg, self.arrays
+        histograms = label_histograms(arrays.train_y, self.parts, arrays.num_classes)
+        info = {
+            "num_classes": arrays.num_classes,
+            "in_channels": arrays.in_channels,
+            "image_size": arrays.image_size,
+            "train_samples": len(arrays.train_y),
+            "test_samples": len(arrays.test_y),
+            "steps_per_epoch": self.per_epoch,
+            "partition": cfg.partition,
+            "partition_sizes": [len(p) for p in self.parts],
+            "label_histograms": histograms,
+        }
+        (self.run_dir / DATA_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        resumed = f", resuming at step {self.start_step}" if self.start_step else ""
+        exchange = cfg.compressor if cfg.density is None else f"{cfg.compressor} at density {cfg.density:g}"
+        tqdm.write(
+            f"flexcomm-train: {cfg.model} x{cfg.width:g} with {self.param_count:,} parameters on {self.me.world_size} "
+            f"rank(s) ({self.me.backend}, {self.me.device}); {exchange}; "
+            f"{len(arrays.train_y):,} training samples, {self.per_epoch} steps per epoch; {cfg.steps} steps{resumed}"
+        )
+
+    def _write_summary(self) -> None:
+        summary = {
+            "config": self.cfg.to_dict(),
+            "param_count": self.param_count,
+            "world_size": self.me.world_size,
+            "backend": self.me.backend,
+            "device": str(self.me.device),
+            "torch_version": torch.__version__,
+            "leader_counts": self.hook.leader_counts,
+            **summarize(read_records(self.run_dir), self.cfg.target_acc),
+        }
+        write_summary(self.run_dir, summary)
+
+    # -- helpers -------------------------------------------------------------------
+    def _now(self) -> float:
+        """``perf_counter`` after the device finished its queued work (CUDA is asynchronous)."""
+        if self.me.device.type == "cuda":
+            torch.cuda.synchronize(self.me.device)
+        return perf_counter()
+
+    def _barrier(self) -> None:
+        if self.me.device.type == "cuda":
+            dist.barrier(device_ids=[self.me.device.index])
+        else:
+            dist.barrier()
+
+
+def _comm_fields(comm: StepComm) -> dict[str, Any]:
+    fields = asdict(comm)
+    fields["bytes"] = fields.pop("bytes_sent")
+    return fields
+
+
+def _show(bar: tqdm, record: dict[str, Any], accuracy: float | None) -> None:
+    bar.set_postfix(
+        loss=f"{record['loss']:.3f}",
+        acc="-" if accuracy is None else f"{accuracy:.3f}",
+        density=f"{record['density']:.3g}",
+        exch="+".join(record["exchanges"]) or "-",
+        step_ms=f"{record['t_step'] * 1e3:.0f}",
+        refresh=False,
+    )
+    bar.update(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -163,3 +163,4 @@ def test_residual_memory_state_dict_round_trip() -> None:
     restored.load_state_dict(memory.state_dict())
     assert torch.equal(restored.residual(3), torch.tensor([0.0, 1.0, 2.0, 0.0]))
     assert torch.equal(restored.compensate(3, layout, torch.zeros(4)), torch.tensor([0.0, 1.0, 2.0, 0.0]))
+

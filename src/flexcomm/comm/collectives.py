@@ -9,6 +9,8 @@ group's worker threads, and a collective awaited there can starve the pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -18,14 +20,14 @@ _allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     """Sum ``tensor`` in place across ranks; the future's value is ``tensor``."""
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return work.get_future().then(lambda _: tensor)
+    return work.get_future().then(_resolving_to(tensor))
 
 
 def allgather(message: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     """Concatenate every rank's equally sized flat ``message``; the value is the concatenation."""
     gathered = message.new_empty(message.numel() * dist.get_world_size(group))
     work = _allgather_single(gathered, message, group=group, async_op=True)
-    return work.get_future().then(lambda _: gathered)
+    return work.get_future().then(_resolving_to(gathered))
 
 
 def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -33,3 +35,17 @@ def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.Proces
     src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
     dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def _resolving_to(result: torch.Tensor) -> Callable[[torch.futures.Future], torch.Tensor]:
+    """A ``then`` callback whose value is ``result``, re-raising the collective's error.
+
+    A callback that never reads its future turns a failed or timed-out collective into a
+    success with un-reduced data; ``fut.value()`` raises the error instead.
+    """
+
+    def resolve(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()
+        return result
+
+    return resolve

@@ -57,12 +57,17 @@ class ResidualMemory:
             residual = None
         if residual is None and self._pieces:
             residual = self._assemble(bucket_index, layout, grad)
-        return grad if residual is None else grad.add_(residual.to(grad.dtype))
+        if residual is None:
+            return grad
+        if residual.device != grad.device:
+            # Restored from a (CPU) checkpoint onto an accelerator: move it once.
+            residual = self._residuals[bucket_index] = residual.to(grad.device)
+        return grad.add_(residual.to(grad.dtype))
 
     def update(self, bucket_index: int, layout: Layout, accumulated: torch.Tensor, sent: torch.Tensor) -> None:
         """Residual := ``accumulated`` with the ``sent`` indices zeroed."""
         residual = self._residuals.get(bucket_index)
-        if residual is None or residual.shape != accumulated.shape or residual.dtype != accumulated.dtype:
+        if residual is None or residual.shape != accumulated.shape or residual.dtype != accumulated.dtype or residual.device != accumulated.device:
             residual = torch.empty_like(accumulated)
             self._residuals[bucket_index] = residual
         self._layouts[bucket_index] = layout

@@ -46,7 +46,6 @@ def out(tmp_path: Path) -> list[str]:
         (["--density", "0"], "argument --density: must be in (0, 1], got 0"),
         (["--density", "1.5"], "argument --density: must be in (0, 1], got 1.5"),
         (["--density", "lots"], "argument --density: expected a number, got 'lots'"),
-        (["--density", "auto"], "argument --density: density=auto needs the dynamic compression-ratio controller"),
         (["--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
         (["--batch-size", "-3"], "argument --batch-size: must be >= 1, got -3"),
         (["--lr", "nan"], "argument --lr: must be in (0, inf), got nan"),
@@ -101,6 +100,8 @@ def test_good_options_resolve(tmp_path: Path) -> None:
     assert cfg.dirichlet_alpha == 0.5 and cfg.density == cli.DEFAULT_DENSITY
     assert cfg.steps is not None and cfg.steps >= 2
     assert (tmp_path / "run").is_dir()
+    auto_cfg, _ = cli.parse_config(SMALL + ["--density", "auto", "--out", str(tmp_path / "a")])
+    assert auto_cfg.density == "auto"
     torch_cfg, _ = cli.parse_config(SMALL + ["--compressor", "powersgd"] + ["--out", str(tmp_path / "p")])
     assert torch_cfg.density is None and torch_cfg.powersgd_rank == 1
 

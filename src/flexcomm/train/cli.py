@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flexcomm.control import RULES
 from flexcomm.netem import MAX_HOSTS, netem_available, parse_schedule
 from flexcomm.train import checkpoint
 from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig, available_compressors
@@ -46,7 +47,6 @@ from flexcomm.train.records import RECORDS_FILE
 AUTO_SCHEDULE = "1gbit:20s,100mbit"
 DEFAULT_DENSITY = 0.01
 DEFAULT_EPOCHS = 2.0
-AUTO_DENSITY_MESSAGE = "density=auto needs the dynamic compression-ratio controller, not available yet"
 
 _DEFAULTS = TrainConfig()
 
@@ -81,9 +81,9 @@ def _float_in(low: float, high: float, low_open: bool = True) -> Callable[[str],
     return parse
 
 
-def _density(text: str) -> float:
+def _density(text: str) -> float | str:
     if text.strip().lower() == "auto":
-        raise argparse.ArgumentTypeError(AUTO_DENSITY_MESSAGE)
+        return "auto"
     return _float_in(0.0, 1.0)(text)
 
 
@@ -131,12 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="one of {%(choices)s}: flexcomm's compressors, or PyTorch's PowerSGD and fp16 hooks "
                            "as baselines (default: %(default)s)")
     comm.add_argument("--density", type=_density, metavar="C",
-                      help=f"fraction of each bucket's elements sent, in (0, 1]; flexcomm compressors only "
-                           f"(default: {DEFAULT_DENSITY})")
+                      help=f"fraction of each bucket's elements sent, in (0, 1], or 'auto' for the dynamic "
+                           f"compression-ratio controller; flexcomm compressors only (default: {DEFAULT_DENSITY})")
     comm.add_argument("--warmup-steps", type=_int_at_least(0), default=_DEFAULTS.warmup_steps, metavar="N",
                       help="exchange dense for the first N steps; PowerSGD: at least 2 (default: %(default)s)")
     comm.add_argument("--powersgd-rank", type=_int_at_least(1), metavar="R",
                       help="PowerSGD's matrix approximation rank (default: 1)")
+    comm.add_argument("--auto-warmup", type=_int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
+                      help="--density auto: dense steps before the controller may lower the density "
+                           "(default: %(default)s)")
+    comm.add_argument("--auto-every", type=_int_at_least(1), default=_DEFAULTS.auto_every, metavar="N",
+                      help="--density auto: steps between gain measurements and decisions; the ramp "
+                           "opens one candidate per N steps (default: %(default)s)")
+    comm.add_argument("--auto-rule", choices=RULES, default=_DEFAULTS.auto_rule,
+                      help="--density auto: how a point of the Pareto front is picked (default: %(default)s)")
 
     run = parser.add_argument_group("cluster")
     run.add_argument("--nproc", type=_int_at_least(1), default=_DEFAULTS.nproc, metavar="N",
@@ -264,6 +272,9 @@ def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
         compressor=args.compressor,
         density=(args.density or DEFAULT_DENSITY) if flexcomm_compressor else None,
         warmup_steps=args.warmup_steps,
+        auto_warmup=args.auto_warmup,
+        auto_every=args.auto_every,
+        auto_rule=args.auto_rule,
         powersgd_rank=(args.powersgd_rank or 1) if args.compressor == "powersgd" else None,
         nproc=args.nproc,
         net=net,

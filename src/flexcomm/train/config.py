@@ -44,8 +44,11 @@ class TrainConfig:
     partition: str = "iid"
     dirichlet_alpha: float | None = None
     compressor: str = "artopk-star"
-    density: float | None = 0.01
+    density: float | str | None = 0.01  # "auto": the dynamic compression-ratio controller
     warmup_steps: int = 0
+    auto_warmup: int = 100  # --density auto: the controller's warm-up, measurement interval and rule
+    auto_every: int = 50
+    auto_rule: str = "asf"
     powersgd_rank: int | None = None
     nproc: int = 2
     net: str = "auto"

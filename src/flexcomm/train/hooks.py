@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import flexcomm
+from flexcomm.control import DensityController
 from flexcomm.train.config import TrainConfig
 
 #: PyTorch's PowerSGD needs at least two plain-allreduce steps (its own bucket-rebuild guard).
@@ -173,6 +174,12 @@ class TimedHook:
         """How often each rank was AR-Topk's index source (flexcomm compressors only)."""
         return list(self.state.leader_counts) if self.is_flexcomm else None
 
+    @property
+    def density_decisions(self) -> list[dict[str, Any]] | None:
+        """The ``density="auto"`` controller's decisions, each with both objectives of every candidate."""
+        controller = self.state.controller if self.is_flexcomm else None
+        return list(controller.decisions) if controller else None
+
     def state_dict(self) -> dict[str, Any]:
         if self.is_flexcomm:
             return self.state.state_dict()
@@ -204,7 +211,12 @@ def _make_state(cfg: TrainConfig) -> Any:
         )
     if cfg.density is None:
         raise ValueError(f"--compressor {cfg.compressor} needs a --density")
-    return flexcomm.FlexState(compressor=cfg.compressor, density=cfg.density, warmup_steps=cfg.warmup_steps)
+    controller = None
+    if cfg.density == "auto":
+        controller = DensityController(rule=cfg.auto_rule, warmup_steps=cfg.auto_warmup,
+                                       measure_every=cfg.auto_every, ramp_steps=cfg.auto_every)
+    return flexcomm.FlexState(compressor=cfg.compressor, density=cfg.density, controller=controller,
+                              warmup_steps=cfg.warmup_steps)
 
 
 def _inner_hook(compressor: str) -> Any:

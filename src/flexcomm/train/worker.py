@@ -287,7 +287,7 @@ class Trainer:
         }
         (self.run_dir / DATA_FILE).write_text(json.dumps(info, indent=2) + "\n")
         resumed = f", resuming at step {self.start_step}" if self.start_step else ""
-        exchange = cfg.compressor if cfg.density is None else f"{cfg.compressor} at density {cfg.density:g}"
+        exchange = cfg.compressor if cfg.density is None else f"{cfg.compressor} at density {cfg.density}"
         tqdm.write(
             f"flexcomm-train: {cfg.model} x{cfg.width:g} with {self.param_count:,} parameters on {self.me.world_size} "
             f"rank(s) ({self.me.backend}, {self.me.device}); {exchange}; "
@@ -303,6 +303,7 @@ class Trainer:
             "device": str(self.me.device),
             "torch_version": torch.__version__,
             "leader_counts": self.hook.leader_counts,
+            "density_decisions": self.hook.density_decisions,
             **summarize(read_records(self.run_dir), self.cfg.target_acc),
         }
         write_summary(self.run_dir, summary)

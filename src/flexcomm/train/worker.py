@@ -118,6 +118,16 @@ def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
     error_file(run_dir, rank).write_text(json.dumps(info, indent=2) + "\n")
 
 
+def _should_resume(cfg: TrainConfig, run_dir: Path) -> bool:
+    """``--resume``, or a restart by ``torchrun --max-restarts`` of a run that has a checkpoint.
+
+    torchrun restarts every worker of the group after a failure and counts the restarts in
+    ``TORCHELASTIC_RESTART_COUNT``; the restarted workers continue from the last checkpoint.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return cfg.resume or (restarted and (checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST_FILE).exists())
+
+
 def _rank_seed(seed: int, rank: int) -> int:
     """A per-rank seed for dropout etc.: ranks must not draw identical masks."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
@@ -145,7 +155,7 @@ class Trainer:
         self.hook.prime(self.ddp, self.data.train_x[: cfg.batch_size], self.data.train_y[: cfg.batch_size])
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         torch.manual_seed(_rank_seed(cfg.seed, me.rank))
-        self.start_step, self.elapsed_before = self._restore() if cfg.resume else (0, 0.0)
+        self.start_step, self.elapsed_before = self._restore() if _should_resume(cfg, run_dir) else (0, 0.0)
 
     # -- checkpoints ---------------------------------------------------------------
     def _restore(self) -> tuple[int, float]:

@@ -149,3 +149,10 @@ def test_model_that_does_not_fit_the_images(tmp_path: Path, capsys: pytest.Captu
     err = refused(argv, capsys)
     assert "--model vit --width 0.125 does not fit the data (1x30x30 images)" in err
     assert "divisible by patch_size" in err
+
+
+def test_prepare_only_writes_the_config_and_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cli.main(SMALL + ["--steps", "3", "--prepare-only"] + out(tmp_path))
+    printed = capsys.readouterr().out
+    assert "torchrun --nnodes NODES" in printed and "-m flexcomm.train.worker" in printed
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json"]

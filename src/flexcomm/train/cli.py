@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     output.add_argument("--no-report", action="store_true",
                         help="skip the report at the end (in sweeps: run flexcomm-report over all runs afterwards)")
+    output.add_argument("--prepare-only", action="store_true",
+                        help="validate, write --out/config.json and print the torchrun command that runs it "
+                             "(for multi-node jobs), without starting any rank")
     return parser
 
 
@@ -347,7 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     for note in notes:
         print(note)
     run_dir = Path(str(cfg.out))
-    cfg.save(run_dir)
+    config = cfg.save(run_dir)
+    if build_parser().parse_known_args(argv)[0].prepare_only:
+        print(f"flexcomm-train: wrote {config}; on every node (with {run_dir} on a shared file system):\n"
+              f"  torchrun --nnodes NODES --nproc-per-node PER_NODE --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+              f"--rdzv-id JOB --max-restarts 3 -m flexcomm.train.worker {config}")
+        return
     network = "plain loopback" if cfg.net == "none" else f"emulated network {cfg.net}"
     print(f"flexcomm-train: {cfg.nproc} rank(s) over {network}; run directory {run_dir}", flush=True)
     try:

@@ -47,7 +47,7 @@ skips the step) and every rank keeps its previous residual.
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from time import perf_counter
 from typing import Any
 
@@ -61,7 +61,7 @@ from flexcomm.compress.memory import Layout
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control import DensityController, ExchangeChooser
-from flexcomm.cost import Observation
+from flexcomm.cost import CostEstimator, Observation
 from flexcomm.version import __version__
 
 COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
@@ -75,6 +75,9 @@ class BucketRecord:
 
     ``bytes_sent`` is the payload of the collectives this rank took part in (what the
     backend was handed), not wire bytes, which depend on the collective's algorithm.
+    ``t_compress`` is all local work of the compressed exchange (selection, gathering the
+    values, residual update, writing the result back); ``t_exchange`` runs from the first
+    collective's launch to the last one's completion.
     ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.  ``predicted`` is the
     cost model's time for the chosen exchange (``flex`` only, else NaN).
     """
@@ -111,7 +114,10 @@ class FlexState:
         var_smoothing: EWMA factor ``s <- smoothing * s + (1 - smoothing) * x``, in [0, 1).
         flex_interval: ``flex`` agrees on measured times and re-decides every this many steps.
         probe_every: ``flex`` re-probes the collectives every this many steps.
-        probe_sizes: message sizes in bytes the probe times.
+        probe_sizes: message sizes in bytes the probe times.  Keep them above a shaped link's
+            burst (tbf lets a few hundred KB through faster than the rate).
+        forgetting: the (alpha, beta) estimator's forgetting factor per sample, in (0, 1]:
+            lower follows a changing network faster, higher averages out more noise.
         max_records: how many :class:`BucketRecord` are kept until :meth:`drain_records`.
     """
 
@@ -126,8 +132,9 @@ class FlexState:
         var_statistic: str = "norm",
         var_smoothing: float = 0.9,
         flex_interval: int = 10,
-        probe_every: int = 500,
-        probe_sizes: tuple[int, ...] = (1024, 65536, 524288),
+        probe_every: int = 200,
+        probe_sizes: tuple[int, ...] = (65536, 1 << 20),
+        forgetting: float = 0.9,
         max_records: int = 100_000,
     ) -> None:
         if compressor not in COMPRESSORS:
@@ -163,7 +170,11 @@ class FlexState:
         self.flex_interval = flex_interval
         self.probe_every = probe_every
         self.probe_sizes = tuple(probe_sizes)
-        self.chooser = ExchangeChooser()
+        _check_number("forgetting", forgetting)
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        self.forgetting = float(forgetting)
+        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting))
         self.step = 0
         self.memory = ResidualMemory()
         self.records: "deque[BucketRecord]" = deque(maxlen=max_records)
@@ -281,7 +292,7 @@ class FlexState:
             "warmup_steps": self.warmup_steps,
             "mstopk_rounds": self.mstopk_rounds,
             "var": (self.var_statistic, self.var_smoothing),
-            "flex": (self.flex_interval, self.probe_every, self.probe_sizes),
+            "flex": (self.flex_interval, self.probe_every, self.probe_sizes, self.forgetting),
             "first_bucket": (first_bucket.numel(), str(first_bucket.dtype)),
         }
 
@@ -359,12 +370,12 @@ class _BucketContext:
         self.state.records.append(rec)
         return rec
 
-    def measured(self, rec: BucketRecord, kind: str, nbytes: int) -> None:
-        """Keep a finished exchange's timings for ``flex``'s estimator."""
+    def measured(self, rec: BucketRecord, kind: str, nbytes: int, seconds: float) -> None:
+        """Keep a finished exchange's network sample and local compression work for the estimator."""
         if not self.state._estimating:
             return
         key = (self.step, self.index)
-        self.state._measured_comm.append((key, Observation(kind, nbytes, self.state.world_size, rec.t_exchange)))
+        self.state._measured_comm.append((key, Observation(kind, nbytes, self.state.world_size, seconds)))
         if rec.exchange != "dense":
             self.state._measured_compress.append((key, rec.t_compress))
 
@@ -440,6 +451,7 @@ def _exchange_for(ctx: _BucketContext, accumulated: torch.Tensor) -> str:
     if state.compressor != "flex":
         return _exchange_for_compressor(state.compressor)
     choice = state.chooser.choose(ctx.index, accumulated.numel(), state.density, state.world_size, accumulated.element_size())
+    state.chooser.keep(ctx.index, choice.exchange)
     ctx.predicted = choice.predicted[choice.exchange]
     return choice.exchange
 
@@ -456,7 +468,7 @@ def _exchange_dense(ctx: _BucketContext, accumulated: torch.Tensor) -> torch.fut
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         total = fut.value().div_(state.world_size)
         rec.t_exchange = perf_counter() - started
-        ctx.measured(rec, "allreduce", rec.bytes_sent)
+        ctx.measured(rec, "allreduce", rec.bytes_sent, rec.t_exchange)
         # Only a bucket that still carries a residual needs the (full-pass) check: a
         # non-finite step must not wipe the residual that the skipped step would have kept.
         if had_residual:
@@ -489,14 +501,16 @@ def _exchange_allgather(ctx: _BucketContext, accumulated: torch.Tensor, k: int) 
     launched = perf_counter()
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
+        done = perf_counter()
+        rec.t_exchange = done - launched
         all_values, all_indices = unpack_all(fut.value(), state.world_size, k, accumulated.dtype)
-        rec.t_exchange = perf_counter() - launched
-        ctx.measured(rec, "allgather", rec.bytes_sent)
         rec.finite = bool(torch.isfinite(all_values).all())
         if rec.finite:
             state.memory.update(ctx.index, ctx.layout, accumulated, indices)
         accumulated.zero_()
         accumulated.index_add_(0, all_indices, all_values.div_(state.world_size))
+        rec.t_compress += perf_counter() - done
+        ctx.measured(rec, "allgather", rec.bytes_sent, rec.t_exchange)
         return accumulated
 
     return allgather(message, state.process_group).then(finish)
@@ -527,17 +541,16 @@ def _exchange_artopk(ctx: _BucketContext, accumulated: torch.Tensor, k: int) -> 
         slots[state.rank] = min(_var_statistic(accumulated, norm, state.var_statistic), torch.finfo(values.dtype).max)
         values = torch.cat([values, slots])
     rec = ctx.record(
-        numel=accumulated.numel(), exchange="artopk", k=k, leader=leader, t_compress=t_compress, t_exchange=0.0,
+        numel=accumulated.numel(), exchange="artopk", k=k, leader=leader,
+        t_compress=t_compress + perf_counter() - broadcasted, t_exchange=0.0,
         bytes_sent=indices.numel() * indices.element_size() + values.numel() * values.element_size(), gain=gain,
     )
+    reducing = perf_counter()
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()
         done = perf_counter()
         rec.t_exchange = done - launched
-        # Only the allreduce is a clean sample: a non-leader's broadcast time includes its
-        # wait for the leader's top-k, which is compression time, not network time.
-        ctx.measured(replace(rec, t_exchange=done - broadcasted), "allreduce", values.numel() * values.element_size())
         rec.finite = bool(torch.isfinite(reduced).all())
         if rec.finite:
             state.memory.update(ctx.index, ctx.layout, accumulated, indices)
@@ -545,6 +558,10 @@ def _exchange_artopk(ctx: _BucketContext, accumulated: torch.Tensor, k: int) -> 
                 state._record_var_statistics(ctx.index, reduced[k:].double().tolist())
         accumulated.zero_()
         accumulated[indices.long()] = reduced[:k].div_(world)
+        rec.t_compress += perf_counter() - done
+        # Only the allreduce, timed from its own launch, is a clean network sample: a
+        # non-leader's broadcast time includes its wait for the leader's top-k.
+        ctx.measured(rec, "allreduce", values.numel() * values.element_size(), done - reducing)
         return accumulated
 
     return allreduce_sum(values, state.process_group).then(finish)

@@ -370,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_timer_slack()
     if args.realtime > 0:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.realtime))
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.realtime))
+        except OSError as exc:  # e.g. a container without CAP_SYS_NICE: still correct, less precise
+            sys.stderr.write(f"delay switch: running without real-time priority ({exc})\n")
     switch = Switch(args.port, args.rcvbuf, args.sndbuf, seed=args.seed, kernel_timestamps=not args.no_kernel_timestamps)
     switch.set_delay("*", args.delay, args.jitter)
     os.set_blocking(0, False)

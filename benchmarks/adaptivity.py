@@ -1,16 +1,19 @@
-"""How fast does ``flex`` follow a bandwidth change?  One run on 2 emulated hosts.
+"""How fast does ``flex`` follow a bandwidth or latency change?  One run on 2 emulated hosts.
 
     python benchmarks/adaptivity.py [--quick] [--schedule 1gbit:20s,20mbit:20s,1gbit] [--last-phase 20]
-                                    [--buckets 2000000] [--density 0.1] [--probe-every 10]
-                                    [--out-dir benchmarks/results]
+                                    [--buckets 2000000] [--density 0.1] [--flex-interval N]
+                                    [--probe-every N] [--probe-sizes B,B] [--forgetting F]
+                                    [--tag TAG] [--out-dir benchmarks/results]
+    python benchmarks/adaptivity.py --schedule "1gbit/1ms:20s,1gbit/16ms:20s,1gbit/1ms" \
+                                    --buckets 2000000,250000 --tag latency
 
 Two ranks, one per host of an :class:`flexcomm.netem.EmulatedCluster` whose link rate
 follows ``--schedule`` (a :class:`flexcomm.netem.ScheduleRunner`, started when both ranks
 are ready to step).  The ranks train a DDP model of :class:`GradientInjector`-style
 parameters, one DDP bucket per entry of ``--buckets`` (floats), with the hook in ``flex``
-mode (``flex_interval=2``; ``probe_every`` as given) until the last phase has lasted
-``--last-phase`` seconds (``--forgetting`` optionally swaps in an estimator with
-another forgetting factor, an experiment knob).  Per step (ranks lined up, time = max over ranks) it records
+mode until the last phase has lasted ``--last-phase`` seconds.  ``--flex-interval``,
+``--probe-every``, ``--probe-sizes`` and ``--forgetting`` are passed to
+:class:`flexcomm.FlexState` only when given: by default the run uses the library's defaults.  Per step (ranks lined up, time = max over ranks) it records
 the wall-clock time, the step time, the exchange chosen for every bucket and the
 estimated ``(alpha, beta)`` of allreduce, allgather and broadcast from
 ``state.chooser.params`` (what the decisions use; refreshed at agreement points and probes).
@@ -21,6 +24,13 @@ bandwidth ``8 / beta`` is first within 25% of the new nominal rate (and, since t
 burst and gloo's own speed move the effective rate away from the nominal one, until it
 is within 25% of the estimate's own settled value in that phase: the median of the
 phase's last third).
+
+A schedule with delays (``"1gbit/1ms:20s,1gbit/16ms:20s,1gbit/1ms"``) is a latency run:
+for every change of the delay it reports the lag until the step time, and until the
+estimated alpha of allreduce / allgather / broadcast, first cross the midpoint between
+the previous phase's settled value and this phase's (settled = median of a phase's last
+third), and until alpha is within 25% of this phase's settled value; the plot then shows
+the estimated alpha against the configured one-way delay.
 
 Writes ``adaptivity.csv`` (per step), ``adaptivity.json`` (changes, lags, settings) and
 ``adaptivity.png`` (estimated bandwidth vs the true schedule, chosen exchange per bucket).
@@ -55,7 +65,6 @@ from collectives import (
     write_csv,
     write_result,
 )
-from flexcomm.cost import CostEstimator
 from flexcomm.netem import EmulatedCluster, RateChange, ScheduleRunner, parse_schedule
 from flexcomm.netem.launch import run_ranks
 
@@ -82,12 +91,10 @@ def worker_main(cfg: dict[str, Any]) -> None:
     # parameters listed small-to-large, the largest (>= 1 MiB) closes bucket 0 on its own
     # and the smaller ones follow in their own buckets (cap = the largest size).
     sizes = sorted(cfg["buckets"])
-    model, state = hooked_ddp(sizes, "flex", cfg["density"], flex_interval=cfg["flex_interval"],
-                              probe_every=cfg["probe_every"], probe_sizes=tuple(cfg["probe_sizes"]))
-    if cfg["forgetting"] is not None:
-        # An experiment knob: FlexState does not expose its estimator's forgetting factor.
-        state.chooser.estimator = CostEstimator(forgetting=cfg["forgetting"])
-        state.chooser.refresh()
+    overrides = {k: cfg[k] for k in ("flex_interval", "probe_every", "forgetting") if cfg[k] is not None}
+    if cfg["probe_sizes"] is not None:
+        overrides["probe_sizes"] = tuple(cfg["probe_sizes"])
+    model, state = hooked_ddp(sizes, "flex", cfg["density"], **overrides)
     grad = rank_gradient(sum(sizes))
     for _ in range(2):  # the first probe, DDP's first-iteration work
         train_step(model, grad)
@@ -182,6 +189,8 @@ def lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wa
     out = []
     walls = [start_wall + c.time_s for c in changes] + [math.inf]
     for j in range(1, len(changes)):
+        if changes[j].rate_bps == changes[j - 1].rate_bps:
+            continue  # a delay-only change: see delay_lags
         begin, end = walls[j], walls[j + 1]
         phase = [r for r in rows if begin <= r["wall_start"] < end]
         entry: dict[str, Any] = {"change_s": changes[j].time_s, "from_mbit": changes[j - 1].rate_bps / 1e6,
@@ -192,6 +201,111 @@ def lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wa
                            "settled_mbit": settled, "to_settled": lag(rows, begin, end, kind, settled)}
         out.append(entry)
     return out
+
+
+def true_delay_at(wall: float, changes: Sequence[RateChange], start_wall: float) -> float:
+    """The one-way delay (s) in force at wall-clock time ``wall``."""
+    delay = changes[0].delay_s if changes else math.nan
+    for c in changes:
+        if start_wall + c.time_s <= wall:
+            delay = c.delay_s
+    return delay
+
+
+def _library_defaults() -> dict[str, Any]:
+    """FlexState's defaults of the knobs this benchmark can override (recorded with the results)."""
+    import inspect
+
+    import flexcomm
+
+    params = inspect.signature(flexcomm.FlexState.__init__).parameters
+    return {k: params[k].default for k in ("flex_interval", "probe_every", "probe_sizes", "forgetting")}
+
+
+def _crossing(after: Sequence[dict[str, Any]], key: str, old: float, new: float, change_wall: float
+              ) -> dict[str, Any]:
+    """Steps and seconds until ``key`` first passes the midpoint from ``old`` towards ``new``."""
+    mid = (old + new) / 2
+    for i, r in enumerate(after):
+        if (r[key] - mid) * (new - old) >= 0:
+            return {"steps": i + 1, "seconds": r["wall_end"] - change_wall, "reached": True}
+    return {"steps": len(after), "seconds": (after[-1]["wall_end"] - change_wall) if after else math.nan,
+            "reached": False}
+
+
+def _within(after: Sequence[dict[str, Any]], key: str, target: float, change_wall: float) -> dict[str, Any]:
+    for i, r in enumerate(after):
+        if abs(r[key] - target) <= WITHIN * abs(target):
+            return {"steps": i + 1, "seconds": r["wall_end"] - change_wall, "reached": True}
+    return {"steps": len(after), "seconds": (after[-1]["wall_end"] - change_wall) if after else math.nan,
+            "reached": False}
+
+
+def delay_lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float
+               ) -> list[dict[str, Any]]:
+    """For every change of the delay: lag of the step time and of the alpha estimates."""
+    out = []
+    walls = [start_wall + c.time_s for c in changes] + [math.inf]
+    phases = [[r for r in rows if walls[j] <= r["wall_start"] < walls[j + 1]] for j in range(len(changes))]
+
+    def settled(phase: Sequence[dict[str, Any]], key: str) -> float:
+        return median([r[key] for r in phase[len(phase) * 2 // 3:]])
+
+    for j in range(1, len(changes)):
+        if changes[j].delay_s == changes[j - 1].delay_s:
+            continue
+        before, after = phases[j - 1], phases[j]
+        entry: dict[str, Any] = {"change_s": changes[j].time_s, "from_delay_ms": changes[j - 1].delay_s * 1e3,
+                                 "to_delay_ms": changes[j].delay_s * 1e3, "phase_steps": len(after)}
+        keys = {"step": "step_s", **{kind: f"alpha_{kind}_s" for kind in KINDS}}
+        for label, key in keys.items():
+            old, new = settled(before, key), settled(after, key)
+            entry[label] = {"settled_before": old, "settled_after": new,
+                            "to_midpoint": _crossing(after, key, old, new, walls[j])}
+            if label != "step":
+                entry[label]["to_within_25pct_of_settled"] = _within(after, key, new, walls[j])
+        out.append(entry)
+    return out
+
+
+def plot_delay(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float, path: Path,
+               buckets: int) -> None:
+    """Estimated alpha vs the configured one-way delay (top), step time and chosen exchanges (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["wall_end"] - start_wall for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green")):
+        top.plot(t, [r[f"alpha_{kind}_s"] * 1e3 for r in rows], ".-", ms=3, lw=0.8, color=color,
+                 label=f"estimated alpha ({kind})")
+    edges = [c.time_s for c in changes] + [t[-1] if t else 0.0]
+    for c, (a, b) in zip(changes, zip(edges, edges[1:])):
+        top.plot([a, b], [c.delay_s * 1e3] * 2, "k-", lw=2)
+    top.plot([], [], "k-", lw=2, label="configured one-way delay (schedule)")
+    for a in edges[1:-1]:
+        top.axvline(a, color="gray", ls=":", lw=1)
+        bottom.axvline(a, color="gray", ls=":", lw=1)
+    top.set(ylabel="ms", title="flex's estimated alpha vs the emulated one-way delay")
+    top.legend(fontsize=8)
+    top.grid(True, alpha=0.3)
+    levels = {"dense": 0, "agtopk": 1, "artopk": 2}
+    for b in range(buckets):
+        key = f"bucket{b}_exchange"
+        sel = [(ti, levels[r[key]] + 0.12 * (b - (buckets - 1) / 2)) for ti, r in zip(t, rows) if key in r]
+        numel = next((r[f"bucket{b}_numel"] for r in rows if f"bucket{b}_numel" in r), 0)
+        bottom.plot([s[0] for s in sel], [s[1] for s in sel], "|", ms=8, label=f"bucket {b} ({numel:,} floats)")
+    bottom.set_yticks(list(levels.values()), list(levels))
+    bottom.set(xlabel="seconds since the schedule started", ylabel="chosen exchange")
+    twin = bottom.twinx()
+    twin.plot(t, [r["step_s"] * 1e3 for r in rows], color="tab:gray", lw=0.6, alpha=0.6)
+    twin.set(ylabel="step ms (gray)")
+    bottom.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float, path: Path,
@@ -239,11 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--last-phase", type=float, default=20.0, help="seconds of the last (open-ended) phase")
     parser.add_argument("--buckets", default="2000000", help="floats per DDP bucket (comma-separated: one bucket each)")
     parser.add_argument("--density", type=float, default=0.1)
-    parser.add_argument("--flex-interval", type=int, default=2)
-    parser.add_argument("--probe-every", type=int, default=10)
-    parser.add_argument("--probe-sizes", default="1024,65536,524288", help="bytes")
+    parser.add_argument("--flex-interval", type=int, default=None, help="default: the library's")
+    parser.add_argument("--probe-every", type=int, default=None, help="default: the library's")
+    parser.add_argument("--probe-sizes", default=None, help="bytes, comma-separated (default: the library's)")
     parser.add_argument("--forgetting", type=float, default=None,
-                        help="replace flex's estimator by one with this forgetting factor (default: the library's)")
+                        help="the estimator's forgetting factor (default: the library's)")
     parser.add_argument("--tag", default="", help="suffix of the output files")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -251,31 +365,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.schedule, args.last_phase = "1gbit:6s,20mbit:6s,1gbit", 6.0
     args.buckets = [int(float(b)) for b in args.buckets.split(",")]
-    args.probe_sizes = [int(float(b)) for b in args.probe_sizes.split(",")]
+    if args.probe_sizes is not None:
+        args.probe_sizes = [int(float(b)) for b in args.probe_sizes.split(",")]
     phases = parse_schedule(args.schedule)
     duration = sum(p.duration_s or 0.0 for p in phases) + args.last_phase
     rows, changes, start_wall = run(args, args.schedule, duration)
     for r in rows:
         r["true_mbit"] = true_rate_at(r["wall_start"], changes, start_wall) / 1e6
+        r["true_delay_ms"] = true_delay_at(r["wall_start"], changes, start_wall) * 1e3
         r["t_s"] = r["wall_start"] - start_wall
         r["phase"] = max([0] + [j for j, c in enumerate(changes) if start_wall + c.time_s <= r["wall_start"]])
     result = {"schedule": args.schedule, "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
+              "library_defaults": _library_defaults(),
               "changes": [c._asdict() for c in changes], "lags": lags(rows, changes, start_wall),
+              "delay_lags": delay_lags(rows, changes, start_wall),
               "steps": len(rows), "command": " ".join(["python", *sys.argv])}
     suffix = ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("step", "t_s", "phase", "true_mbit"), k))
+    keys = sorted({k for r in rows for k in r},
+                  key=lambda k: (k not in ("step", "t_s", "phase", "true_mbit", "true_delay_ms"), k))
     write_csv(args.out_dir / f"adaptivity{suffix}.csv", [{k: r.get(k, "") for k in keys} for r in rows])
     (args.out_dir / f"adaptivity{suffix}.json").write_text(json.dumps(result, indent=2))
-    plot(rows, changes, start_wall, args.out_dir / f"adaptivity{suffix}.png", len(args.buckets))
+    if any(c.delay_s != changes[0].delay_s for c in changes):
+        plot_delay(rows, changes, start_wall, args.out_dir / f"adaptivity{suffix}.png", len(args.buckets))
+    else:
+        plot(rows, changes, start_wall, args.out_dir / f"adaptivity{suffix}.png", len(args.buckets))
     _print_report(result, rows)
     return 0
 
 
 def _print_report(result: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
     settings = result["settings"]
-    print(f"\n{result['steps']} steps; schedule {result['schedule']}; probe_every={settings['probe_every']}, "
-          f"probe_sizes={settings['probe_sizes']}, forgetting={settings['forgetting'] or 'library default'}")
+    lib = result["library_defaults"]
+    knobs = ", ".join(f"{k}={settings[k] if settings[k] is not None else f'{lib[k]} (default)'}" for k in lib)
+    print(f"\n{result['steps']} steps; schedule {result['schedule']}; {knobs}")
     for e in result["lags"]:
         print(f"change at {e['change_s']:.1f} s: {e['from_mbit']:g} -> {e['to_mbit']:g} Mbit/s ({e['phase_steps']} steps in phase)")
         for kind in ("allreduce", "allgather"):
@@ -284,11 +407,27 @@ def _print_report(result: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Non
                        else f"not within 25% in the phase ({nom['steps']} steps)")
             print(f"  {kind:>9}: to nominal {nom_txt}; settled estimate {e[kind]['settled_mbit']:.0f} Mbit/s, "
                   f"reached (25%) after {st['steps']} steps / {st['seconds']:.2f} s")
+    for e in result["delay_lags"]:
+        print(f"delay change at {e['change_s']:.1f} s: {e['from_delay_ms']:g} -> {e['to_delay_ms']:g} ms "
+              f"({e['phase_steps']} steps in phase)")
+        for label in ("step", *KINDS):
+            d = e[label]
+            mid = d["to_midpoint"]
+            txt = f"{mid['steps']} steps / {mid['seconds']:.2f} s" if mid["reached"] else f"not in the phase ({mid['steps']} steps)"
+            extra = ""
+            if "to_within_25pct_of_settled" in d:
+                w = d["to_within_25pct_of_settled"]
+                extra = (f"; within 25% of settled after {w['steps']} steps / {w['seconds']:.2f} s" if w["reached"]
+                         else "; never within 25% of settled")
+            unit = "step time" if label == "step" else f"alpha {label}"
+            print(f"  {unit:>16}: settled {d['settled_before'] * 1e3:.2f} -> {d['settled_after'] * 1e3:.2f} ms; "
+                  f"midpoint crossed after {txt}{extra}")
     choices: dict[str, dict[str, int]] = {}
     for r in rows:
         for key, value in r.items():
             if key.endswith("_exchange"):
-                label = f"{key[:-9]} ({r.get(key[:-9] + '_numel')} floats) @ phase {r['phase']} ({r['true_mbit']:g} Mbit/s)"
+                label = (f"{key[:-9]} ({r.get(key[:-9] + '_numel')} floats) @ phase {r['phase']} "
+                         f"({r['true_mbit']:g} Mbit/s, {r['true_delay_ms']:g} ms)")
                 choices.setdefault(label, {}).setdefault(value, 0)
                 choices[label][value] += 1
     print("choices per bucket and phase:")

@@ -1,0 +1,149 @@
+"""Soak run: 4 ranks on the emulated network for a long time, bandwidth changing throughout.
+
+    sudo .venv/bin/python benchmarks/soak.py                 # 20 minutes (the issue's minimum)
+    sudo .venv/bin/python benchmarks/soak.py --minutes 2     # a short check
+
+Starts ``flexcomm-train`` (ResNet-18 x0.125, flex exchange, 4 emulated hosts, a schedule
+that cycles 1 Gbit -> 50 Mbit -> 200 Mbit -> 20 Mbit), samples every rank's resident
+memory (VmRSS from /proc) every few seconds, and stops the job with SIGINT after the
+time is up (the launcher then stops the ranks and removes the emulated network).
+Writes ``benchmarks/results/soak.csv`` (memory samples), ``soak.json`` (steps completed,
+memory growth per rank, errors) and ``soak.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
+
+
+def worker_pids(config: Path) -> dict[int, int]:
+    """rank -> pid of the workers running ``config`` (found in /proc)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"flexcomm.train.worker" in cmdline and str(config).encode() in cmdline:
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = int(proc.name)
+    return found
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples")
+    parser.add_argument("--out", type=Path, default=RESULTS / "runs" / "soak")
+    args = parser.parse_args()
+    if args.out.exists():
+        subprocess.run(["rm", "-rf", str(args.out)], check=True)
+    train = Path(sys.executable).with_name("flexcomm-train")
+    argv = [str(train), "--model", "resnet18", "--nproc", "4", "--compressor", "flex", "--density", "0.01",
+            "--net", SCHEDULE, "--steps", "1000000", "--eval-every", "500", "--test-subset", "500",
+            "--checkpoint-every", "500", "--timeout", "120", "--no-report", "--out", str(args.out)]
+    started = time.monotonic()
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config = args.out / "config.json"
+    samples: list[dict[str, float]] = []
+    deadline = started + args.minutes * 60
+    while time.monotonic() < deadline and job.poll() is None:
+        time.sleep(args.sample_every)
+        for rank, pid in sorted(worker_pids(config).items()):
+            mb = rss_mb(pid)
+            if mb is not None:
+                samples.append({"t_s": time.monotonic() - started, "rank": rank, "rss_mb": mb})
+        print(f"\rsoak: {(time.monotonic() - started) / 60:5.1f} / {args.minutes:g} min, "
+              f"{_steps(args.out)} steps", end="", flush=True)
+    crashed = job.poll() is not None
+    if not crashed:
+        job.send_signal(signal.SIGINT)
+    output = job.communicate(timeout=120)[0]
+    print()
+    summary = _summarize(args, samples, crashed, output, time.monotonic() - started)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(RESULTS / "soak.csv", "w") as f:
+        f.write("t_s,rank,rss_mb\n")
+        f.writelines(f"{s['t_s']:.1f},{s['rank']},{s['rss_mb']:.1f}\n" for s in samples)
+    _plot(samples, summary)
+    print(json.dumps({k: v for k, v in summary.items() if k != "launcher_output_tail"}, indent=2))
+
+
+def _steps(run_dir: Path) -> int:
+    path = run_dir / "records.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashed: bool, output: str, wall: float) -> dict:
+    growth = {}
+    for rank in sorted({int(s["rank"]) for s in samples}):
+        mine = [s for s in samples if s["rank"] == rank]
+        # Growth after the first minute (start-up allocations excluded), by least squares.
+        steady = [s for s in mine if s["t_s"] > mine[0]["t_s"] + 60] or mine
+        if len(steady) >= 2:
+            slope = float(np.polyfit([s["t_s"] for s in steady], [s["rss_mb"] for s in steady], 1)[0])
+        else:
+            slope = float("nan")
+        growth[rank] = {"first_mb": mine[0]["rss_mb"], "last_mb": mine[-1]["rss_mb"],
+                        "max_mb": max(s["rss_mb"] for s in mine), "slope_mb_per_min": slope * 60}
+    network = args.out / "network.json"
+    return {
+        "command": "python benchmarks/soak.py --minutes %g" % args.minutes,
+        "minutes": wall / 60,
+        "steps_completed": _steps(args.out),
+        "ended_by": "the job itself (error)" if crashed else "SIGINT after the time limit",
+        "rate_changes_applied": len(json.loads(network.read_text()).get("changes", [])) if network.exists() else None,
+        "memory_per_rank": growth,
+        "errors": sorted(p.name for p in args.out.glob("error-rank*.json")),
+        "launcher_output_tail": output[-2000:],
+    }
+
+
+def _plot(samples: list[dict[str, float]], summary: dict) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for rank in sorted({int(s["rank"]) for s in samples}):
+        mine = [s for s in samples if s["rank"] == rank]
+        ax.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], label=f"rank {rank}")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title(f"soak: 4 ranks, flex, changing bandwidth; {summary['steps_completed']} steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "soak.png", dpi=120)
+
+
+if __name__ == "__main__":
+    if os.geteuid() != 0:
+        sys.exit("soak.py needs root for the emulated network (network namespaces, tc)")
+    main()

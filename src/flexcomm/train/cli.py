@@ -273,7 +273,8 @@ def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
         partition=args.partition,
         dirichlet_alpha=alpha,
         compressor=args.compressor,
-        density=(args.density or DEFAULT_DENSITY) if flexcomm_compressor else None,
+        # dense sends every element whatever --density says: record what it does.
+        density=(1.0 if args.compressor == "dense" else args.density or DEFAULT_DENSITY) if flexcomm_compressor else None,
         warmup_steps=args.warmup_steps,
         auto_warmup=args.auto_warmup,
         auto_every=args.auto_every,

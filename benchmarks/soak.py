@@ -73,7 +73,12 @@ def main() -> None:
             "--net", SCHEDULE, "--steps", "1000000", "--eval-every", "500", "--test-subset", "500",
             "--checkpoint-every", "500", "--timeout", "120", "--no-report", "--out", str(args.out)]
     started = time.monotonic()
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The job's output goes to a file: a pipe nobody reads fills up after ~64 KB of progress
+    # bars and blocks the ranks mid-step (seen in the first soak attempt).
+    log_path = RESULTS / "soak.log"
+    RESULTS.mkdir(exist_ok=True)
+    log = open(log_path, "w")
+    job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
     config = args.out / "config.json"
     samples: list[dict[str, float]] = []
     deadline = started + args.minutes * 60
@@ -88,7 +93,9 @@ def main() -> None:
     crashed = job.poll() is not None
     if not crashed:
         job.send_signal(signal.SIGINT)
-    output = job.communicate(timeout=120)[0]
+    job.wait(timeout=120)
+    log.close()
+    output = log_path.read_text()
     print()
     summary = _summarize(args, samples, crashed, output, time.monotonic() - started)
     RESULTS.mkdir(exist_ok=True)
@@ -126,7 +133,7 @@ def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashe
         "rate_changes_applied": len(json.loads(network.read_text()).get("changes", [])) if network.exists() else None,
         "memory_per_rank": growth,
         "errors": sorted(p.name for p in args.out.glob("error-rank*.json")),
-        "launcher_output_tail": output[-2000:],
+        "launcher_output_tail": output[-2000:].split("\r")[-1],
     }
 
 

@@ -28,26 +28,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flexcomm.train.launch import worker_pids  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
-
-
-def worker_pids(config: Path) -> dict[int, int]:
-    """rank -> pid of the workers running ``config`` (found in /proc)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"flexcomm.train.worker" in cmdline and str(config).encode() in cmdline:
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    found[int(item[5:])] = int(proc.name)
-    return found
 
 
 def rss_mb(pid: int) -> float | None:

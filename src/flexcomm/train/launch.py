@@ -186,3 +186,25 @@ def _read_error(run_dir: Path, rank: int) -> dict[str, Any] | None:
         return json.loads(error_file(run_dir, rank).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def worker_pids(config: Path) -> dict[int, int]:
+    """rank -> pid of this machine's worker processes running ``config`` (read from /proc).
+
+    For tools that watch a run from outside (fault injection, memory sampling), whoever
+    launched it (flexcomm-train, torchrun, a cluster's namespaces).
+    """
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"flexcomm.train.worker" in cmdline and str(config).encode() in cmdline:
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = int(proc.name)
+    return found

@@ -5,7 +5,7 @@
 
 Starts ``flexcomm-train`` (ResNet-18 x0.125, flex exchange, 4 emulated hosts, a schedule
 that cycles 1 Gbit -> 50 Mbit -> 200 Mbit -> 20 Mbit), samples every rank's resident
-memory (VmRSS from /proc) every few seconds, and stops the job with SIGINT after the
+memory (VmRSS from /proc) every few seconds, and stops the job with SIGTERM after the
 time is up (the launcher then stops the ranks and removes the emulated network).
 Writes ``benchmarks/results/soak.csv`` (memory samples), ``soak.json`` (steps completed,
 memory growth per rank, errors) and ``soak.png``.
@@ -76,7 +76,7 @@ def main() -> None:
               f"{_steps(args.out)} steps", end="", flush=True)
     crashed = job.poll() is not None
     if not crashed:
-        job.send_signal(signal.SIGINT)
+        job.send_signal(signal.SIGTERM)  # SIGINT to the launcher alone did not stop it (first soak)
     job.wait(timeout=120)
     log.close()
     output = log_path.read_text()
@@ -113,7 +113,7 @@ def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashe
         "command": "python benchmarks/soak.py --minutes %g" % args.minutes,
         "minutes": wall / 60,
         "steps_completed": _steps(args.out),
-        "ended_by": "the job itself (error)" if crashed else "SIGINT after the time limit",
+        "ended_by": "the job itself (error)" if crashed else "SIGTERM after the time limit",
         "rate_changes_applied": len(json.loads(network.read_text()).get("changes", [])) if network.exists() else None,
         "memory_per_rank": growth,
         "errors": sorted(p.name for p in args.out.glob("error-rank*.json")),

@@ -2,14 +2,13 @@
 
 from flexcomm.compress.memory import ResidualMemory
 from flexcomm.compress.mstopk import mstopk_indices
-from flexcomm.compress.sparse import message_bytes, pack, unpack_all
+from flexcomm.compress.sparse import pack, unpack_all
 from flexcomm.compress.topk import TopkWorkspace, k_for, topk_indices
 
 __all__ = [
     "ResidualMemory",
     "TopkWorkspace",
     "k_for",
-    "message_bytes",
     "mstopk_indices",
     "pack",
     "topk_indices",

@@ -12,11 +12,6 @@ INDEX_DTYPE = torch.int32
 INDEX_BYTES = 4
 
 
-def message_bytes(k: int, value_dtype: torch.dtype) -> int:
-    """Size of one packed message of ``k`` values and ``k`` indices."""
-    return k * (_itemsize(value_dtype) + INDEX_BYTES)
-
-
 def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """One uint8 buffer holding ``values`` then ``indices`` (both length k)."""
     if values.numel() != indices.numel():

@@ -66,6 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flexcomm.compress.sparse import INDEX_BYTES
 from flexcomm.compress.topk import k_for
 
 CollectiveKind = Literal["allreduce", "allgather", "broadcast"]
@@ -75,7 +76,6 @@ KINDS: tuple[CollectiveKind, ...] = ("allreduce", "allgather", "broadcast")
 #: Tie-break order of :func:`cheapest_exchange`: on equal predicted time the earlier wins
 #: (dense needs no compression work; AR-Topk keeps one index set for every rank).
 EXCHANGES: tuple[Exchange, ...] = ("dense", "artopk", "agtopk")
-INDEX_BYTES = 4
 
 ALGORITHMS: dict[CollectiveKind, tuple[str, ...]] = {
     "allreduce": ("ring", "tree"),

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 import runs  # noqa: E402
 from runs import RESULTS, Run, Spec, fmt, load, mbytes, metrics  # noqa: E402
+from flexcomm.train.report import trailing_mean  # noqa: E402
 
 STATIC = ("0.1", "0.033", "0.011", "0.004", "0.001")
 MODELS = ("resnet18", "vit")
@@ -191,7 +192,7 @@ def plot(loaded: dict[str, list[Run]], targets: dict[str, float | None]) -> None
             pts = [(x["step"], x["gain"]) for x in r.records if x.get("gain") is not None]
             if pts:
                 steps, gains = zip(*pts)
-                gain_ax.plot(steps, _smooth(list(gains)), color=colors[key], lw=1.8 if key == "auto" else 1.0,
+                gain_ax.plot(steps, trailing_mean(list(gains), window=15), color=colors[key], lw=1.8 if key == "auto" else 1.0,
                              label=key)
         gain_ax.set(xlabel="step", ylabel="compression gain ||C(a)|| / ||a|| (smoothed)", ylim=(0, 1.05),
                     title=f"{m}: compression gain over training")
@@ -210,16 +211,6 @@ def plot(loaded: dict[str, list[Run]], targets: dict[str, float | None]) -> None
         acc_ax.grid(alpha=0.3)
         acc_ax.legend(fontsize="x-small", ncol=2)
     fig.savefig(RESULTS / "dynamic_cr_density.png", dpi=95)
-
-
-def _smooth(values: list[float], window: int = 15) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def plot_gain(runs: list[Run], path: Path) -> Path | None:
     for run in with_gain:
         points = [(r["step"], r["gain"]) for r in run.records if r.get("gain") is not None]
         steps, gains = zip(*points)
-        ax.plot(steps, _smooth(list(gains)), label=run.name)
+        ax.plot(steps, trailing_mean(list(gains)), label=run.name)
     ax.set(xlabel="step", ylabel="compression gain ||C(a)|| / ||a||", title="compression gain over training",
            ylim=(0, 1.05))
     ax.grid(alpha=0.3)
@@ -169,9 +169,9 @@ def plot_gain(runs: list[Run], path: Path) -> Path | None:
     return path
 
 
-def _smooth(values: list[float]) -> list[float]:
-    """Trailing mean over ~2% of the run: per-step gains are noisy."""
-    window = max(1, len(values) // 50)
+def trailing_mean(values: list[float], window: int | None = None) -> list[float]:
+    """Trailing mean over ``window`` values (default ~2% of the run): per-step gains are noisy."""
+    window = window or max(1, len(values) // 50)
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v

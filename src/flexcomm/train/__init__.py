@@ -7,9 +7,11 @@ Modules, in the order a run meets them:
 * :mod:`~flexcomm.train.launch` -- starting the ranks (loopback or one per emulated host), failure handling;
 * :mod:`~flexcomm.train.worker` -- one rank: model, data, DDP with the comm hook, the training loop;
 * :mod:`~flexcomm.train.hooks` -- flexcomm's hook or PyTorch's PowerSGD/fp16, timed per step;
-* :mod:`~flexcomm.train.inputs` -- data set, partition and batch order of each rank;
+* :mod:`~flexcomm.train.rank_data` -- what each rank trains on: data set, its partition, batch order;
 * :mod:`~flexcomm.train.checkpoint` -- per-rank atomic checkpoints and exact resume;
 * :mod:`~flexcomm.train.records` -- ``records.jsonl`` and ``summary.json``;
 * :mod:`~flexcomm.train.report` -- ``flexcomm-report``: plots and a Markdown table;
-* :mod:`~flexcomm.train.models`, :mod:`~flexcomm.train.data` -- models and data sources.
+* :mod:`~flexcomm.train.models` -- the models;
+* :mod:`~flexcomm.train.datasets` -- data sources (IDX, npz, image folders, synthetic) and tensors;
+* :mod:`~flexcomm.train.partition` -- splitting samples among ranks (IID, Dirichlet).
 """

@@ -9,7 +9,7 @@ names the newest complete set; older files are deleted only after that.
 
 A file holds ``meta`` (format, step, rank and the settings in :data:`RESUME_KEYS`),
 model, optimizer, the hook's state, RNG states, the data order position (epoch and
-batch; the order itself follows from the seed, see :mod:`flexcomm.train.inputs`) and
+batch; the order itself follows from the seed, see :mod:`flexcomm.train.rank_data`) and
 the elapsed wall time.  Only plain
 types and tensors are stored, so loading uses ``torch.load(weights_only=True)``.
 """

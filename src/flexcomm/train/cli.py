@@ -30,7 +30,7 @@ from flexcomm.control import RULES
 from flexcomm.netem import MAX_HOSTS, netem_available, parse_schedule
 from flexcomm.train import checkpoint
 from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig, available_compressors
-from flexcomm.train.inputs import (
+from flexcomm.train.rank_data import (
     DATASETS,
     DEFAULT_DIRICHLET_ALPHA,
     PARTITIONS,

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from flexcomm.train import checkpoint
 from flexcomm.train.config import TrainConfig
 from flexcomm.train.hooks import StepComm, TimedHook
-from flexcomm.train.inputs import (
+from flexcomm.train.rank_data import (
     Arrays,
     batch_indices,
     label_histograms,

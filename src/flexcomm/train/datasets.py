@@ -1,4 +1,4 @@
-"""Datasets and rank partitioning for the training app. Nothing is downloaded.
+"""Where the training app's images come from, and how they become tensors. Nothing is downloaded.
 
 Sources:
 
@@ -12,7 +12,9 @@ Sources:
 
 Image arrays are ``(N, H, W)`` (single channel) or ``(N, C, H, W)``;
 :func:`to_tensor_dataset` turns either into normalised float32 NCHW tensors.
-Labels are int64 class indices ``0..num_classes-1``.
+Labels are int64 class indices ``0..num_classes-1``.  How samples are split among
+ranks is :mod:`flexcomm.train.partition`; what one rank of a run gets is
+:mod:`flexcomm.train.rank_data`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,9 @@ from torch.utils.data import TensorDataset
 __all__ = [
     "DEFAULT_DATA_DIR",
     "compute_mean_std",
-    "label_histogram",
     "load_idx_dataset",
     "load_image_folder",
     "load_npz_dataset",
-    "partition_dirichlet",
-    "partition_iid",
     "read_idx",
     "synthetic_dataset",
     "to_tensor_dataset",
@@ -343,86 +342,3 @@ def to_tensor_dataset(
         raise ValueError(f"std must be > 0, got {std}")
     x = (x - mean_arr[:, None, None]) / std_arr[:, None, None]
     return TensorDataset(torch.from_numpy(x), torch.from_numpy(labels.astype(np.int64)))
-
-
-# ---------------------------------------------------------------------- partitions
-
-
-def _check_partition_args(labels: np.ndarray, world_size: int) -> np.ndarray:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
-        raise ValueError(f"world_size must be an integer, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    labels = np.asarray(labels)
-    if labels.ndim != 1:
-        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
-    if len(labels) < world_size:
-        raise ValueError(
-            f"world_size ({world_size}) exceeds the number of samples ({len(labels)})"
-        )
-    return labels
-
-
-def partition_iid(labels: np.ndarray, world_size: int, seed: int = 0) -> list[np.ndarray]:
-    """Split sample indices uniformly at random into ``world_size`` disjoint,
-    equally sized, sorted int64 index arrays.
-
-    The ``len(labels) % world_size`` left-over samples are dropped so every rank
-    runs the same number of steps per epoch.
-    """
-    labels = _check_partition_args(labels, world_size)
-    per_rank = len(labels) // world_size
-    perm = np.random.default_rng(seed).permutation(len(labels))
-    return [
-        np.sort(perm[r * per_rank : (r + 1) * per_rank]).astype(np.int64)
-        for r in range(world_size)
-    ]
-
-
-def partition_dirichlet(
-    labels: np.ndarray, world_size: int, alpha: float, seed: int = 0
-) -> list[np.ndarray]:
-    """Non-IID split: each class's samples are divided among ranks in proportions
-    drawn from ``Dirichlet(alpha)``; small ``alpha`` means highly skewed labels.
-
-    Returns ``world_size`` disjoint sorted int64 index arrays that together cover
-    every sample. A rank left empty receives one sample from the currently largest
-    rank, so every rank has at least one. Deterministic for a given ``seed``.
-    """
-    labels = _check_partition_args(labels, world_size)
-    try:
-        concentration = float(alpha)
-    except (TypeError, ValueError):
-        raise ValueError(f"alpha must be a number > 0, got {alpha!r}") from None
-    if not (math.isfinite(concentration) and concentration > 0):
-        raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
-    rng = np.random.default_rng(seed)
-    shards: list[list[np.ndarray]] = [[] for _ in range(world_size)]
-    for cls in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == cls))
-        proportions = rng.dirichlet(np.full(world_size, concentration))
-        cuts = np.rint(np.cumsum(proportions)[:-1] * len(idx)).astype(np.int64)
-        for rank, part in enumerate(np.split(idx, cuts)):
-            shards[rank].append(part)
-    parts = [np.concatenate(s) for s in shards]
-    for rank in range(world_size):
-        if len(parts[rank]) == 0:
-            donor = max(range(world_size), key=lambda r: len(parts[r]))
-            parts[rank] = parts[donor][-1:]
-            parts[donor] = parts[donor][:-1]
-    return [np.sort(p).astype(np.int64) for p in parts]
-
-
-def label_histogram(
-    labels: np.ndarray, indices: np.ndarray, num_classes: int
-) -> np.ndarray:
-    """Count of each class among ``labels[indices]``: int64 array of ``num_classes``."""
-    if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    selected = np.asarray(labels)[np.asarray(indices, dtype=np.int64)]
-    if selected.size and (selected.min() < 0 or selected.max() >= num_classes):
-        raise ValueError(
-            f"labels must lie in [0, {num_classes}), "
-            f"got {selected.min()}..{selected.max()}"
-        )
-    return np.bincount(selected, minlength=num_classes).astype(np.int64)

@@ -16,16 +16,14 @@ import numpy as np
 import torch
 
 from flexcomm.train.config import TrainConfig
-from flexcomm.train.data import (
+from flexcomm.train.datasets import (
     compute_mean_std,
-    label_histogram,
     load_idx_dataset,
     load_npz_dataset,
-    partition_dirichlet,
-    partition_iid,
     synthetic_dataset,
     to_tensor_dataset,
 )
+from flexcomm.train.partition import label_histogram, partition_dirichlet, partition_iid
 
 DATASETS = ("fashion-mnist", "synthetic", "npz")
 PARTITIONS = ("iid", "dirichlet")

@@ -242,6 +242,23 @@ def test_estimator_constrains_to_nonnegative():
     assert offset.params.alpha == 0.0 and offset.params.beta > 0.0
 
 
+@pytest.mark.parametrize("speedup", [0.05, 0.2, 5.0])
+def test_one_message_size_scales_alpha_and_beta_together(speedup):
+    # A link `speedup` times faster (or slower) than the prior, seen at one size only (what a
+    # flex bucket's exchange reports between probes): the fit must not zero either parameter,
+    # and it must predict its own size exactly.
+    est = AlphaBetaEstimator("allgather", forgetting=0.9)
+    truth = LinkParams(DEFAULT_PRIOR.alpha * speedup, DEFAULT_PRIOR.beta * speedup)
+    nbytes = 50_000
+    for _ in range(200):
+        est.observe(nbytes, 2, allgather_time(nbytes, 2, truth))
+    assert est.params.alpha > 0.0 and est.params.beta > 0.0
+    assert est.predict(nbytes, 2) == pytest.approx(allgather_time(nbytes, 2, truth), rel=1e-3)
+    # Proportional scaling keeps the prior's alpha/beta ratio, so other sizes scale too.
+    assert est.params.beta / est.params.alpha == pytest.approx(DEFAULT_PRIOR.beta / DEFAULT_PRIOR.alpha, rel=1e-2)
+    assert est.predict(100 * nbytes, 2) == pytest.approx(allgather_time(100 * nbytes, 2, truth), rel=1e-2)
+
+
 def test_estimator_prior_and_ignored_samples():
     est = AlphaBetaEstimator("broadcast")
     assert est.params == DEFAULT_PRIOR

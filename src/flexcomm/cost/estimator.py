@@ -25,6 +25,16 @@ The prior term ``p_n = max(lam^n p_0, p_floor)`` (the prior is worth ``p_0`` sam
 start) settles ``theta`` before two independent samples exist, fades like the data, and its
 tiny floor keeps the 2x2 system solvable when only one message size is ever observed.
 
+One message size.  Samples of a single size pin only ``x . theta = y``: any point of that
+line fits them, and the faces of the constraint (``alpha = 0`` or ``beta = 0``) fit them as
+well as any other -- an estimate that collapses to ``beta = 0`` then predicts a 100x larger
+message to cost the same.  So when the weighted samples do not tell the two parameters apart
+(the smaller eigenvalue of ``S`` under ``IDENTIFIED_RATIO`` times the larger one), a ridge
+``q ||P theta||^2`` pulls ``theta`` towards the prior's direction ``(1, 1)``
+(``P = I - (1, 1)(1, 1)^T / 2``): one size scales ``alpha`` and ``beta`` by the same factor
+instead of zeroing one.  ``q = PERPENDICULAR_RIDGE * trace(S) * (1 - ratio / IDENTIFIED_RATIO)``
+fades to 0 as a second size makes the fit well posed, so it never biases an identified fit.
+
 Constraint.  ``theta >= 0`` is solved exactly (two-variable non-negative least squares:
 the unconstrained solution if feasible, else the better of the two one-variable fits on
 the faces ``u = 0`` and ``v = 0``), not by clipping.
@@ -60,6 +70,13 @@ from flexcomm.cost.model import (
 #: takes 0.2-0.4 ms here, i.e. two latency terms) and 1 Gbit/s.
 DEFAULT_PRIOR = LinkParams.from_bandwidth(1e-4, 1e9)
 STATE_VERSION = 1
+#: Below this ratio of the sample matrix's eigenvalues (smaller / larger) the samples are
+#: treated as one message size.  Measured on the prior's scale: two sizes 2x apart give
+#: ~4e-3, sizes spread over 128 KiB-64 MiB ~1.3e-3; one size after probes at two sizes
+#: falls below 1e-3 once the probes' weight has faded to ~1% (40 samples at forgetting 0.9).
+IDENTIFIED_RATIO = 1e-3
+#: Weight of the pull towards the prior's direction, relative to the samples' total weight.
+PERPENDICULAR_RIDGE = 1e-2
 
 
 class Observation(NamedTuple):
@@ -145,7 +162,9 @@ class AlphaBetaEstimator:
     def _solve(self) -> tuple[float, float]:
         """Minimise ``theta^T M theta - 2 c^T theta`` over ``theta >= 0`` (``M`` is positive definite)."""
         p = self._prior_weight
-        muu, muv, mvv = self._s[0] + p, self._s[1], self._s[2] + p
+        q = self._perpendicular_ridge()
+        # M = S + p I + q P with P = [[1/2, -1/2], [-1/2, 1/2]]; c = r + p (1, 1) (P (1, 1) = 0).
+        muu, muv, mvv = self._s[0] + p + 0.5 * q, self._s[1] - 0.5 * q, self._s[2] + p + 0.5 * q
         cu, cv = self._r[0] + p, self._r[1] + p
         det = muu * mvv - muv * muv
         u = (mvv * cu - muv * cv) / det
@@ -160,6 +179,21 @@ class AlphaBetaEstimator:
             return muu * tu * tu + 2.0 * muv * tu * tv + mvv * tv * tv - 2.0 * (cu * tu + cv * tv)
 
         return on_v0 if objective(on_v0) <= objective(on_u0) else on_u0
+
+    def _perpendicular_ridge(self) -> float:
+        """``q`` of the module docstring: > 0 only while the samples look like one message size."""
+        suu, suv, svv = self._s
+        trace = suu + svv
+        if trace <= 0.0:
+            return 0.0
+        # Eigenvalues of the 2x2 S: their product is det, their sum the trace.
+        det = max(0.0, suu * svv - suv * suv)
+        root = math.sqrt(max(0.0, trace * trace - 4.0 * det))
+        smaller, larger = 0.5 * (trace - root), 0.5 * (trace + root)
+        ratio = smaller / larger
+        if ratio >= IDENTIFIED_RATIO:
+            return 0.0
+        return PERPENDICULAR_RIDGE * trace * (1.0 - ratio / IDENTIFIED_RATIO)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, picklable state (floats, ints, strings, lists) for checkpoints."""

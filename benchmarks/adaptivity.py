@@ -66,7 +66,7 @@ from collectives import (
     write_result,
 )
 from flexcomm.netem import EmulatedCluster, RateChange, ScheduleRunner, parse_schedule
-from flexcomm.netem.launch import run_ranks
+from flexcomm.launch import run_ranks
 
 READY = "@@ready"
 KINDS = ("allreduce", "allgather", "broadcast")
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, schedule: str, duration_s: float) -> tuple[lis
             elif line.startswith("@@progress"):
                 bar.update(1)
 
-        run_ranks(cluster, 2, [str(Path(__file__).resolve()), "--worker", str(cfg_path)],
+        run_ranks(cluster, 2, [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)],
                   timeout=duration_s * 4 + 600, on_line=on_line)
         runner = runners[0]
         runner.stop()

@@ -66,7 +66,7 @@ import flexcomm
 from flexcomm.compress import k_for
 from flexcomm.cost import AlphaBetaEstimator, CostParams, LinkParams, collective_time, predict_exchange_times
 from flexcomm.netem import EmulatedCluster, netem_available, parse_rate
-from flexcomm.netem.launch import run_ranks
+from flexcomm.launch import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLLECTIVES = ("allreduce", "allgather", "broadcast")
@@ -251,7 +251,7 @@ def run_job(script: str, cluster: EmulatedCluster | None, n: int, cfg: dict[str,
                 if line.startswith(PROGRESS):
                     bar.update(int(line.split()[1]))
 
-            run_ranks(cluster, n, [str(Path(script).resolve()), "--worker", str(cfg_path)],
+            run_ranks(cluster, n, [sys.executable, str(Path(script).resolve()), "--worker", str(cfg_path)],
                       timeout=timeout, on_line=on_line)
         return json.loads((Path(cfg["result_path"])).read_text())
 

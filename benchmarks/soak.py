@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flexcomm.train.launch import worker_pids  # noqa: E402
+from flexcomm.launch import rank_pids  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
@@ -68,7 +68,7 @@ def main() -> None:
     deadline = started + args.minutes * 60
     while time.monotonic() < deadline and job.poll() is None:
         time.sleep(args.sample_every)
-        for rank, pid in sorted(worker_pids(config).items()):
+        for rank, pid in sorted(rank_pids("flexcomm.train.worker", str(config)).items()):
             mb = rss_mb(pid)
             if mb is not None:
                 samples.append({"t_s": time.monotonic() - started, "rank": rank, "rss_mb": mb})

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flexcomm.train import checkpoint, cli
-from flexcomm.train.launch import worker_pids
+from flexcomm.launch import rank_pids
 from flexcomm.train.records import RECORDS_FILE
 
 STEPS, EVERY, KILL_AFTER = 40, 10, 15
@@ -70,7 +70,7 @@ def test_rank_killed_mid_training_resumes_from_checkpoint_bitwise(tmp_path: Path
     while steps_logged(config.parent) < KILL_AFTER:
         assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.poll() is not None else "no progress"
         time.sleep(0.2)
-    victim = worker_pids(config).get(1)
+    victim = rank_pids("flexcomm.train.worker", str(config)).get(1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
     output = job.communicate(timeout=300)[0]

@@ -12,7 +12,8 @@ import pytest
 
 from flexcomm.train import cli, report
 from flexcomm.train.config import TrainConfig
-from flexcomm.train.launch import RankFailed, launch, supervise
+from flexcomm.launch import RankFailed, RankProcess, supervise
+from flexcomm.train.job import explain_failure, run_job
 from flexcomm.train.worker import error_file
 
 TINY = [
@@ -61,7 +62,7 @@ def test_rank_failure_is_reported(tmp_path: Path) -> None:
     cfg = TrainConfig(dataset="npz", data_dir=str(tmp_path / "missing"), net="none", steps=3, timeout=30)
     cfg.save(tmp_path)
     with pytest.raises(RankFailed, match=r"rank [01] failed: FileNotFoundError: --dataset npz needs train.npz"):
-        launch(cfg, tmp_path)
+        run_job(cfg, tmp_path)
 
 
 def report_error(tmp_path: Path, rank: int, error: str) -> str:
@@ -77,7 +78,7 @@ def test_supervisor_stops_the_others(tmp_path: Path) -> None:
     crasher = subprocess.Popen([sys.executable, "-c", failing])
     started = time.monotonic()
     with pytest.raises(RankFailed, match="rank 1 failed: ValueError: boom"):
-        supervise([sleeper, crasher], tmp_path)
+        supervise([RankProcess(0, sleeper), RankProcess(1, crasher)], explain=explain_failure(tmp_path, 2))
     assert sleeper.poll() is not None and time.monotonic() - started < 30
 
 
@@ -88,4 +89,4 @@ def test_silent_death_is_blamed_first(tmp_path: Path) -> None:
     peer.wait()
     killed.wait()
     with pytest.raises(RankFailed, match="rank 1 was killed by signal 9 without reporting an error"):
-        supervise([peer, killed], tmp_path)
+        supervise([RankProcess(0, peer), RankProcess(1, killed)], explain=explain_failure(tmp_path, 2))

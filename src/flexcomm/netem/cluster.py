@@ -834,17 +834,18 @@ class EmulatedCluster:
 
     # -- processes -----------------------------------------------------------
     def exec_prefix(self, i: int) -> list[str]:
-        """argv prefix that runs a command inside host ``i`` with gloo bound to its interface."""
+        """argv prefix that runs a command inside host ``i`` with gloo and NCCL bound to its interface."""
         self._check_host(i)
         ip = self._ip or tool_path("ip")
         env = self._env or _absolute_program("env")
-        return [ip, "netns", "exec", self._host_netns[i], env, f"GLOO_SOCKET_IFNAME={self._host_if[i]}"]
+        ifname = self._host_if[i]
+        return [ip, "netns", "exec", self._host_netns[i], env, f"GLOO_SOCKET_IFNAME={ifname}", f"NCCL_SOCKET_IFNAME={ifname}"]
 
     def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen[Any]:
         """Launch ``argv`` inside host ``i``; the process is terminated on close.
 
         ``env`` is *added* to the current environment (not a replacement), and
-        ``GLOO_SOCKET_IFNAME`` always names host ``i``'s interface. argv[0] is
+        ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` always name host ``i``'s interface. argv[0] is
         made absolute. Other keyword arguments go to ``subprocess.Popen``.
         """
         if not argv:

@@ -4,7 +4,7 @@ Modules, in the order a run meets them:
 
 * :mod:`~flexcomm.train.cli` -- options, validation before any rank starts, the demo defaults;
 * :mod:`~flexcomm.train.config` -- the run's settings, shared by launcher and ranks via ``config.json``;
-* :mod:`~flexcomm.train.launch` -- starting the ranks (loopback or one per emulated host), failure handling;
+* :mod:`~flexcomm.train.job` -- one job: its ranks (through :mod:`flexcomm.launch`), its network, who failed;
 * :mod:`~flexcomm.train.worker` -- one rank: model, data, DDP with the comm hook, the training loop;
 * :mod:`~flexcomm.train.hooks` -- flexcomm's hook or PyTorch's PowerSGD/fp16, timed per step;
 * :mod:`~flexcomm.train.rank_data` -- what each rank trains on: data set, its partition, batch order;

@@ -11,7 +11,7 @@ names, ranges, option combinations, the bandwidth schedule (with netem's own par
 whether emulation works here, the data set (loaded once), whether the model fits the
 data (a forward pass on the meta device, which costs no memory), the output directory
 and, with ``--resume``, every rank's checkpoint.  The ranks are then started by
-:mod:`flexcomm.train.launch`.
+:mod:`flexcomm.train.job` (with the one launcher, :mod:`flexcomm.launch`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from flexcomm.train.rank_data import (
     partitions,
     steps_per_epoch,
 )
-from flexcomm.train.launch import RankFailed, launch
+from flexcomm.launch import RankFailed
+from flexcomm.train.job import run_job
 from flexcomm.train.models import MODEL_NAMES, build_model
 from flexcomm.train.records import RECORDS_FILE
 
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     network = "plain loopback" if cfg.net == "none" else f"emulated network {cfg.net}"
     print(f"flexcomm-train: {cfg.nproc} rank(s) over {network}; run directory {run_dir}", flush=True)
     try:
-        launch(cfg, run_dir)
+        run_job(cfg, run_dir)
     except RankFailed as exc:
         raise SystemExit(f"flexcomm-train: {exc}") from None
     except KeyboardInterrupt:

@@ -6,7 +6,8 @@ Modules, in the order a run meets them:
 * :mod:`~flexcomm.train.config` -- the run's settings, shared by launcher and ranks via ``config.json``;
 * :mod:`~flexcomm.train.job` -- one job: its ranks (through :mod:`flexcomm.launch`), its network, who failed;
 * :mod:`~flexcomm.train.worker` -- one rank: model, data, DDP with the comm hook, the training loop;
-* :mod:`~flexcomm.train.hooks` -- flexcomm's hook or PyTorch's PowerSGD/fp16, timed per step;
+* :mod:`~flexcomm.train.timed_hook` -- flexcomm's hook or a baseline, timed per step;
+* :mod:`~flexcomm.train.baselines` -- PyTorch's PowerSGD and fp16 hooks (one DDP bucket for PowerSGD on gloo);
 * :mod:`~flexcomm.train.rank_data` -- what each rank trains on: data set, its partition, batch order;
 * :mod:`~flexcomm.train.checkpoint` -- per-rank atomic checkpoints and exact resume;
 * :mod:`~flexcomm.train.records` -- ``records.jsonl`` and ``summary.json``;

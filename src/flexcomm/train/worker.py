@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -32,8 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from flexcomm.train import checkpoint
+from flexcomm.train.baselines import bucket_cap_mb
 from flexcomm.train.config import TrainConfig
-from flexcomm.train.hooks import StepComm, TimedHook
+from flexcomm.train.timed_hook import StepComm, TimedHook
 from flexcomm.train.rank_data import (
     Arrays,
     batch_indices,
@@ -149,7 +151,9 @@ class Trainer:
         model = build_model(cfg.model, arrays.num_classes, arrays.in_channels, arrays.image_size, cfg.width)
         self.param_count = count_parameters(model)
         device_ids = [me.device.index] if me.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model.to(me.device), device_ids=device_ids)
+        # PowerSGD on gloo needs one bucket (see flexcomm.train.baselines); everything else DDP's default.
+        buckets = bucket_cap_mb(cfg.compressor, me.backend, model)
+        self.ddp = DistributedDataParallel(model.to(me.device), device_ids=device_ids, bucket_cap_mb=buckets)
         self.hook = TimedHook(cfg)
         self.hook.register(self.ddp)
         self.hook.prime(self.ddp, self.data.train_x[: cfg.batch_size], self.data.train_y[: cfg.batch_size])
@@ -205,7 +209,9 @@ class Trainer:
         self._barrier()
         if lead:
             (self.run_dir / STARTED_MARKER).touch()
-        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not lead, unit="step", dynamic_ncols=True)
+        # A live bar on a terminal; elsewhere (a log file, a pipe) one line per evaluation, see _show.
+        live = lead and sys.stderr.isatty()
+        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not live, unit="step", dynamic_ncols=True)
         t0 = perf_counter() - self.elapsed_before
         accuracy: float | None = None
         try:
@@ -348,6 +354,12 @@ def _show(bar: tqdm, record: dict[str, Any], accuracy: float | None) -> None:
         refresh=False,
     )
     bar.update(1)
+    if bar.disable and record.get("accuracy") is not None:
+        print(
+            f"step {record['step'] + 1}/{bar.total}  loss {record['loss']:.3f}  acc {record['accuracy']:.3f}  "
+            f"density {record['density']:.3g}  {record['wall']:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

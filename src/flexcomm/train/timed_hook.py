@@ -6,7 +6,8 @@ every bucket.  Wrapping lets the training loop
 * measure what the hook costs the step: time blocked inside the hook (compression, the
   AR-Topk index broadcast) and the tail of backward spent waiting for exchanges still
   in flight after the last bucket was handed over;
-* time PyTorch's hooks (PowerSGD, fp16), which keep no records of their own;
+* time PyTorch's hooks (PowerSGD, fp16; see :mod:`flexcomm.train.baselines`), which
+  keep no records of their own;
 * prime DDP's buckets: DDP regroups gradients into new buckets after its first
   backward, and every compressor's error-feedback memory is per bucket.  One backward
   pass that communicates nothing, before training, makes step 0 of a fresh run and
@@ -20,19 +21,15 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import flexcomm
 from flexcomm.control import DensityController
-from flexcomm.train.config import TrainConfig
-
-#: PyTorch's PowerSGD needs at least two plain-allreduce steps (its own bucket-rebuild guard).
-POWERSGD_MIN_START = 2
+from flexcomm.train import baselines
+from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig
 
 
 @dataclass
@@ -184,14 +181,14 @@ class TimedHook:
         if self.is_flexcomm:
             return self.state.state_dict()
         if self.compressor == "powersgd":
-            return _powersgd_state_dict(self.state)
+            return baselines.powersgd_state_dict(self.state)
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.is_flexcomm:
             self.state.load_state_dict(state)
         elif self.compressor == "powersgd":
-            _powersgd_load_state_dict(self.state, state)
+            baselines.powersgd_load_state_dict(self.state, state)
 
 
 def _timed_hook(state: TimedHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -200,15 +197,8 @@ def _timed_hook(state: TimedHook, bucket: dist.GradBucket) -> torch.futures.Futu
 
 
 def _make_state(cfg: TrainConfig) -> Any:
-    if cfg.compressor == "fp16":
-        return None
-    if cfg.compressor == "powersgd":
-        return powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=cfg.powersgd_rank or 1,
-            start_powerSGD_iter=max(POWERSGD_MIN_START, cfg.warmup_steps),
-            random_seed=cfg.seed,
-        )
+    if cfg.compressor in TORCH_COMPRESSORS:
+        return baselines.make_state(cfg)
     if cfg.density is None:
         raise ValueError(f"--compressor {cfg.compressor} needs a --density")
     controller = None
@@ -220,11 +210,7 @@ def _make_state(cfg: TrainConfig) -> Any:
 
 
 def _inner_hook(compressor: str) -> Any:
-    if compressor == "fp16":
-        return default_hooks.fp16_compress_hook
-    if compressor == "powersgd":
-        return powerSGD_hook.powerSGD_hook
-    return flexcomm.hook
+    return baselines.hook_function(compressor) if compressor in TORCH_COMPRESSORS else flexcomm.hook
 
 
 def _summarise_records(records: list[flexcomm.BucketRecord], in_hook: float, tail: float) -> StepComm:
@@ -249,29 +235,3 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(tensor)
     return fut
-
-
-_POWERSGD_FIELDS = (
-    "iter",
-    "error_dict",
-    "p_memory_dict",
-    "q_memory_dict",
-    "total_numel_before_compression",
-    "total_numel_after_compression",
-    "next_stats_report",
-)
-
-
-def _powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> dict[str, Any]:
-    """PowerSGD's internal state in plain types, so checkpoints load with ``weights_only=True``."""
-    name, keys, pos, has_gauss, cached = state.rng.get_state()
-    saved = {name_: getattr(state, name_) for name_ in _POWERSGD_FIELDS}
-    saved["rng"] = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
-    return saved
-
-
-def _powersgd_load_state_dict(state: powerSGD_hook.PowerSGDState, saved: dict[str, Any]) -> None:
-    for name in _POWERSGD_FIELDS:
-        setattr(state, name, saved[name])
-    name, keys, pos, has_gauss, cached = saved["rng"]
-    state.rng.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,43 @@
+"""Every rank's hook state in one checkpoint file, and each rank's own back out of it.
+
+Frameworks that write one checkpoint file from rank 0 (Lightning, Accelerate) would
+otherwise save only rank 0's :class:`~flexcomm.FlexState`, and a resumed job would give
+every rank rank 0's error-feedback residuals.  The residuals differ per rank (each rank
+keeps what its own gradient did not send), so the integrations gather all ranks'
+``state_dict()`` into the file and, on loading, hand rank ``r`` entry ``r``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from flexcomm import FlexState
+
+#: Where the integrations put the list of per-rank states in a checkpoint.
+CHECKPOINT_KEY = "flexcomm_rank_states"
+
+
+def gather_rank_states(state: FlexState, dst: int = 0) -> list[dict[str, Any]] | None:
+    """``[rank 0's state_dict(), rank 1's, ...]`` on rank ``dst``, ``None`` on the others.
+
+    A collective over the default process group: every rank must call it, in the same
+    order as its other collectives.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    gathered: list[Any] | None = [None] * world_size if rank == dst else None
+    dist.gather_object(state.state_dict(), gathered, dst=dst)
+    return gathered
+
+
+def load_own_rank_state(state: FlexState, rank_states: list[dict[str, Any]]) -> None:
+    """Load this rank's entry of :func:`gather_rank_states`'s list into ``state``."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not isinstance(rank_states, list) or len(rank_states) != world_size:
+        count = len(rank_states) if isinstance(rank_states, list) else "no list of"
+        raise ValueError(
+            f"the checkpoint holds flexcomm hook states of {count} ranks, but this job has {world_size} "
+            "ranks: resume with the world size it was saved with"
+        )
+    state.load_state_dict(rank_states[rank])

@@ -58,11 +58,15 @@ def assert_identical(resumed: object, straight: object, where: str = "") -> None
 
 def test_resume_matches_an_uninterrupted_run(runs: dict[str, Path]) -> None:
     for rank in (0, 1):
-        resumed = torch.load(checkpoint.rank_file(runs["interrupted"], rank, 8), weights_only=True)
-        straight = torch.load(checkpoint.rank_file(runs["straight"], rank, 8), weights_only=True)
-        # Model, momentum, the hook's residuals and counters, RNG: everything but the clock.
-        for part in ("model", "optimizer", "comm", "rng"):
-            assert_identical(resumed[part], straight[part], f"rank {rank} {part}")
+        assert_same_training_state(runs["interrupted"], runs["straight"], rank, 8)
+
+
+def assert_same_training_state(resumed_run: Path, straight_run: Path, rank: int, step: int) -> None:
+    """Model, momentum, the hook's residuals and counters, RNG: everything but the clock."""
+    resumed = checkpoint.load_rank(resumed_run, rank, step)
+    straight = checkpoint.load_rank(straight_run, rank, step)
+    for part in ("model", "optimizer", "comm", "rng"):
+        assert_identical(resumed[part], straight[part], f"rank {rank} {part}")
 
 
 def test_resumed_log_is_whole(runs: dict[str, Path]) -> None:
@@ -74,9 +78,17 @@ def test_resumed_log_is_whole(runs: dict[str, Path]) -> None:
     assert summary["steps"] == 8 and summary["config"]["resume"] is True
 
 
-def test_only_the_newest_checkpoint_is_kept(runs: dict[str, Path]) -> None:
-    files = sorted(p.name for p in checkpoint.checkpoint_dir(runs["straight"]).iterdir())
-    assert files == ["latest.json", "step00000008-rank0.pt", "step00000008-rank1.pt"]
+def test_the_two_newest_complete_sets_are_kept(tmp_path: Path) -> None:
+    cfg = TrainConfig()
+    for step in (3, 6, 9):
+        for rank in (0, 1):
+            checkpoint.save_rank(tmp_path, cfg, rank, step, {"x": torch.arange(step)})
+        checkpoint.publish(tmp_path, cfg, step)
+        for rank in (0, 1):
+            checkpoint.prune(tmp_path, rank)
+    assert checkpoint.read_latest(tmp_path)["steps"] == [9, 6]
+    files = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir())
+    assert files == ["latest.json", *(checkpoint.rank_file(tmp_path, r, s).name for s in (6, 9) for r in (0, 1))]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +114,7 @@ def test_finished_checkpoint_needs_more_steps(runs: dict[str, Path], capsys: pyt
     assert "the checkpoint is at step 4, and this run stops at step 4" in capsys.readouterr().err
 
 
-def test_truncated_checkpoint_is_refused(
+def test_truncated_only_checkpoint_is_refused(
     runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     broken = tmp_path / "broken"
@@ -111,10 +123,54 @@ def test_truncated_checkpoint_is_refused(
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     with pytest.raises(SystemExit):
         cli.main(RUN + ["--steps", "8", "--out", str(broken), "--resume"])
-    assert f"checkpoint file {victim} is truncated or corrupt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no complete, undamaged checkpoint" in err and f"checkpoint file {victim} is truncated or corrupt" in err
     # What the rank itself calls on resume, in case the file broke after the launcher's check.
     with pytest.raises(checkpoint.CheckpointError, match="is truncated or corrupt"):
         checkpoint.load_rank(broken, 1, 4)
+
+
+def test_flipped_byte_is_detected(runs: dict[str, Path], tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["at4"], broken)
+    victim = checkpoint.rank_file(broken, 0, 4)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="SHA-256 does not match"):
+        checkpoint.load_rank(broken, 0, 4)
+
+
+def test_launcher_check_falls_back_past_a_damaged_newest_set(
+    runs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["straight"], broken)
+    victim = checkpoint.rank_file(broken, 0, 8)
+    victim.write_bytes(victim.read_bytes()[:100])
+    cfg, _ = cli.parse_config(RUN + ["--steps", "12", "--out", str(broken), "--resume"])
+    assert checkpoint.validate_resume(broken, cfg) == 4
+    assert f"checkpoint file {victim} is truncated or corrupt" in caplog.text
+
+
+def test_ranks_agree_to_fall_back_when_one_rank_has_a_damaged_newest_file(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1's step-8 file is truncated, rank 0's is fine: both resume from step 4, and the
+    result equals the uninterrupted run's bit for bit (the ranks, not the launcher, decide here,
+    as under torchrun)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["straight"], broken)
+    victim = checkpoint.rank_file(broken, 1, 8)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size - 10])
+    monkeypatch.setattr(checkpoint, "validate_resume", lambda run_dir, cfg: 8)  # skip the launcher's own check
+    cli.main(RUN + ["--steps", "8", "--out", str(broken), "--resume"])
+    out, err = capfd.readouterr()
+    assert "resuming at step 4" in out
+    assert f"rank 1: cannot resume: checkpoint file {victim} is truncated or corrupt" in err
+    assert "rank 0: the checkpoint at step 8 is damaged on a rank; trying the previous one" in err
+    for rank in (0, 1):
+        assert_same_training_state(broken, runs["straight"], rank, 8)
 
 
 def test_atomic_write_leaves_nothing_behind(tmp_path: Path) -> None:

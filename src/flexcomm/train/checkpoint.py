@@ -1,11 +1,16 @@
-"""Checkpoints: one file per rank per step, written atomically, plus a pointer to the newest set.
+"""Checkpoints: one file per rank per step, written atomically, plus a pointer to the newest sets.
 
 Each rank writes its own file because the error-feedback residuals (and PowerSGD's
 memories) differ per rank.  A file is written to a temporary name in the same directory
 and ``os.replace``d into place, so a crash never leaves a half-written file under the
 real name.  Ranks cannot replace their files together, so file names carry the step and
 ``ckpt/latest.json`` (also replaced atomically, by rank 0, once every rank has saved)
-names the newest complete set; older files are deleted only after that.
+names the newest complete sets, newest first: the last :data:`KEEP` steps are kept, and
+older files are deleted only after ``latest.json`` moved on.
+
+A file is :data:`MAGIC`, the SHA-256 of the rest, then ``torch.save``'s bytes, so a
+file truncated or damaged after it was written (disk, copy, a full file system) is
+detected on load with a message naming it, and the resume falls back to the previous set.
 
 A file holds ``meta`` (format, step, rank and the settings in :data:`RESUME_KEYS`),
 model, optimizer, the hook's state, RNG states, the data order position (epoch and
@@ -17,7 +22,10 @@ types and tensors are stored, so loading uses ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -30,7 +38,14 @@ from flexcomm.train.config import TrainConfig
 
 CHECKPOINT_DIR = "ckpt"
 LATEST_FILE = "latest.json"
-FORMAT = 1
+FORMAT = 2
+#: Start of every rank file; the SHA-256 digest of the payload follows, then the payload.
+MAGIC = b"FLEXCKPT"
+_HEADER = len(MAGIC) + hashlib.sha256().digest_size
+#: Complete checkpoint sets kept: the newest, and the one to fall back to if it is damaged.
+KEEP = 2
+
+log = logging.getLogger(__name__)
 #: Settings a checkpoint is tied to: another value would load state that does not fit
 #: (model, hook state, world size) or lose the run's place in the data order.
 RESUME_KEYS = (
@@ -67,25 +82,36 @@ def tied_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def save_rank(run_dir: Path, cfg: TrainConfig, rank: int, step: int, state: dict[str, Any]) -> Path:
-    """Atomically write this rank's ``state`` for ``step`` (``meta`` is added here)."""
+    """Atomically write this rank's ``state`` for ``step`` (``meta`` and the digest are added here)."""
     path = rank_file(run_dir, rank, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": {"format": FORMAT, "step": step, "rank": rank, "config": tied_settings(cfg)}, **state}
-    _atomic_write(path, lambda f: torch.save(payload, f))
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    _atomic_write(path, lambda f: _write_with_digest(f, buffer.getbuffer()))
     return path
 
 
+def _write_with_digest(f: IO[bytes], data: memoryview) -> None:
+    f.write(MAGIC)
+    f.write(hashlib.sha256(data).digest())
+    f.write(data)
+
+
 def publish(run_dir: Path, cfg: TrainConfig, step: int) -> None:
-    """Point ``latest.json`` at ``step``; call once every rank's file for it exists."""
-    latest = {"format": FORMAT, "step": step, "config": tied_settings(cfg)}
-    _atomic_write(checkpoint_dir(run_dir) / LATEST_FILE, lambda f: f.write(json.dumps(latest, indent=2).encode()))
+    """Make ``step`` the newest complete set; call once every rank's file for it exists."""
+    path = checkpoint_dir(run_dir) / LATEST_FILE
+    previous = read_latest(run_dir)["steps"] if path.exists() else []
+    steps = [step, *(s for s in previous if s != step)][:KEEP]
+    latest = {"format": FORMAT, "step": step, "steps": steps, "config": tied_settings(cfg)}
+    _atomic_write(path, lambda f: f.write(json.dumps(latest, indent=2).encode()))
 
 
-def prune(run_dir: Path, rank: int, keep_step: int) -> None:
-    """Delete this rank's files of other steps; only after :func:`publish` moved on."""
-    keep = rank_file(run_dir, rank, keep_step).name
+def prune(run_dir: Path, rank: int) -> None:
+    """Delete this rank's files of steps ``latest.json`` no longer lists; only after :func:`publish`."""
+    keep = {rank_file(run_dir, rank, step).name for step in read_latest(run_dir)["steps"]}
     for path in checkpoint_dir(run_dir).glob(f"step*-rank{rank}.pt"):
-        if path.name != keep:
+        if path.name not in keep:
             path.unlink(missing_ok=True)
 
 
@@ -98,26 +124,33 @@ def read_latest(run_dir: Path) -> dict[str, Any]:
         )
     try:
         latest = json.loads(path.read_text())
-        step = int(latest["step"])
-    except (ValueError, KeyError, TypeError) as exc:
+        fmt = latest.get("format")
+        steps = [int(s) for s in latest["steps"]] if fmt == FORMAT else []
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"cannot resume: {path} is corrupt ({exc})") from None
-    if latest.get("format") != FORMAT:
-        raise CheckpointError(f"cannot resume: {path} has format {latest.get('format')!r}, expected {FORMAT}")
-    latest["step"] = step
+    if fmt != FORMAT:
+        raise CheckpointError(f"cannot resume: {path} has format {fmt!r}, expected {FORMAT}")
+    if not steps:
+        raise CheckpointError(f"cannot resume: {path} lists no checkpoint")
+    latest["step"], latest["steps"] = steps[0], steps
     return latest
 
 
-def load_rank(
-    run_dir: Path, rank: int, step: int, map_location: str | torch.device = "cpu", mmap: bool = False
-) -> dict[str, Any]:
-    """Load and sanity-check one rank's file; every failure is a :class:`CheckpointError`."""
+def load_rank(run_dir: Path, rank: int, step: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and check one rank's file (digest, then contents); every failure is a :class:`CheckpointError`."""
     path = rank_file(run_dir, rank, step)
     if not path.exists():
         raise CheckpointError(f"cannot resume: checkpoint file {path} is missing")
+    data = path.read_bytes()
+    if not data.startswith(MAGIC) or hashlib.sha256(data[_HEADER:]).digest() != data[len(MAGIC) : _HEADER]:
+        raise CheckpointError(
+            f"cannot resume: checkpoint file {path} is truncated or corrupt "
+            f"({len(data)} bytes; its SHA-256 does not match the one written with it)"
+        )
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        payload = torch.load(io.BytesIO(data[_HEADER:]), map_location=map_location, weights_only=True)
         meta = payload["meta"]
-    except Exception as exc:  # noqa: BLE001 - torch reports truncation as several exception types
+    except Exception as exc:  # noqa: BLE001 - a payload that hashes right but does not load: say why
         raise CheckpointError(f"cannot resume: checkpoint file {path} is truncated or corrupt ({exc})") from None
     if meta.get("format") != FORMAT or meta.get("rank") != rank or meta.get("step") != step:
         raise CheckpointError(
@@ -140,19 +173,34 @@ def check_compatible(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> No
 
 
 def validate_resume(run_dir: Path, cfg: TrainConfig) -> int:
-    """Check, before any rank starts, that every rank can resume; return the step to resume from."""
+    """Check, before any rank starts, that every rank can resume; return the step to resume from.
+
+    A damaged newest set is skipped with a logged warning (the ranks, resuming, skip it too).
+    """
     latest = read_latest(run_dir)
     where = checkpoint_dir(run_dir)
     check_compatible(latest["config"], cfg, where)
-    step = latest["step"]
-    if cfg.steps is not None and step >= cfg.steps:
-        raise CheckpointError(
-            f"cannot resume: the checkpoint is at step {step}, and this run stops at step {cfg.steps}; "
-            "pass a larger --steps (or --epochs) to continue training"
-        )
-    for rank in range(cfg.nproc):
-        check_compatible(load_rank(run_dir, rank, step, mmap=True)["meta"]["config"], cfg, where)
-    return step
+    problems = []
+    for step in latest["steps"]:
+        try:
+            settings = [load_rank(run_dir, rank, step)["meta"]["config"] for rank in range(cfg.nproc)]
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            log.warning("%s; trying the previous checkpoint", exc)
+            continue
+        for saved in settings:
+            check_compatible(saved, cfg, where)
+        if cfg.steps is not None and step >= cfg.steps:
+            raise CheckpointError(
+                f"cannot resume: the checkpoint is at step {step}, and this run stops at step {cfg.steps}; "
+                "pass a larger --steps (or --epochs) to continue training"
+            )
+        return step
+    raise CheckpointError(no_usable_checkpoint(where, problems))
+
+
+def no_usable_checkpoint(where: Path, problems: list[str]) -> str:
+    return f"cannot resume: no complete, undamaged checkpoint in {where}:\n  " + "\n  ".join(problems)
 
 
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:

@@ -2,8 +2,8 @@
 
 The rank learns who it is from the environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as under ``torchrun``, and joins the
-job with ``init_process_group(init_method="env://")``: gloo on CPU, NCCL when CUDA is
-available.  Nothing assumes the ranks share a machine except the run directory, which
+job with :func:`flexcomm.init_process_group` (``env://``, safe across torchrun's
+restarts): gloo on CPU, NCCL when CUDA is available.  Nothing assumes the ranks share a machine except the run directory, which
 every rank reads its config from and writes its checkpoint to.
 
 Rank 0 writes the logs (see :mod:`flexcomm.train.records`), ``data.json`` (partition
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from flexcomm.rendezvous import init_process_group
 from flexcomm.train import checkpoint
 from flexcomm.train.baselines import bucket_cap_mb
 from flexcomm.train.config import TrainConfig
@@ -52,6 +54,8 @@ from flexcomm.train.records import RecordWriter, read_records, summarize, write_
 STARTED_MARKER = ".training-started"
 DATA_FILE = "data.json"
 EVAL_BATCH = 500
+
+log = logging.getLogger(__name__)
 
 
 def error_file(run_dir: Path, rank: int) -> Path:
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_rank(cfg: TrainConfig, run_dir: Path, me: Identity) -> None:
     """Join the process group, train, leave."""
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group(me.backend, init_method="env://", timeout=timedelta(seconds=cfg.timeout))
+    init_process_group(me.backend, timeout=timedelta(seconds=cfg.timeout))
     try:
         Trainer(cfg, run_dir, me).run()
     except Exception as exc:
@@ -121,13 +125,16 @@ def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def _should_resume(cfg: TrainConfig, run_dir: Path) -> bool:
-    """``--resume``, or a restart by ``torchrun --max-restarts`` of a run that has a checkpoint.
+    """``--resume``, or a run under a restarting launcher (torchrun, flexcomm-train) that has a checkpoint.
 
-    torchrun restarts every worker of the group after a failure and counts the restarts in
-    ``TORCHELASTIC_RESTART_COUNT``; the restarted workers continue from the last checkpoint.
+    Such launchers restart every worker of the group after a failure and set
+    ``TORCHELASTIC_RESTART_COUNT``; the restarted workers continue from the last
+    checkpoint.  The count itself is not compared with 0: torchrun agents on different
+    nodes count differently (one restarted by another node's failure does not count it),
+    while the checkpoint every rank reads is the same.
     """
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return cfg.resume or (restarted and (checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST_FILE).exists())
+    restartable = "TORCHELASTIC_RESTART_COUNT" in os.environ
+    return cfg.resume or (restartable and (checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST_FILE).exists())
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -164,8 +171,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------
     def _restore(self) -> tuple[int, float]:
         """Load this rank's newest checkpoint; return (step to continue from, wall time so far)."""
-        step = checkpoint.read_latest(self.run_dir)["step"]
-        payload = checkpoint.load_rank(self.run_dir, self.me.rank, step, map_location=self.me.device)
+        step, payload = self._load_newest_usable()
         checkpoint.check_compatible(payload["meta"]["config"], self.cfg, checkpoint.checkpoint_dir(self.run_dir))
         if payload["data_order"]["steps_per_epoch"] != self.per_epoch:
             raise checkpoint.CheckpointError(
@@ -179,6 +185,32 @@ class Trainer:
         if payload["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state(payload["rng"]["cuda"].cpu(), self.me.device)
         return step, float(payload["elapsed"])
+
+    def _load_newest_usable(self) -> tuple[int, dict[str, Any]]:
+        """This rank's file of the newest checkpoint set that every rank can load.
+
+        A damaged file on any rank (truncated, corrupt) makes every rank fall back to the
+        previous set: the ranks agree with one allreduce (MIN) per set tried.
+        """
+        problems = []
+        for step in checkpoint.read_latest(self.run_dir)["steps"]:
+            try:
+                payload: dict[str, Any] | None = checkpoint.load_rank(
+                    self.run_dir, self.me.rank, step, map_location=self.me.device
+                )
+            except checkpoint.CheckpointError as exc:
+                payload = None
+                problems.append(str(exc))
+                log.warning("rank %d: %s", self.me.rank, exc)
+            usable = torch.tensor([payload is not None], dtype=torch.int32, device=self.me.device)
+            dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+            if usable.item() and payload is not None:
+                return step, payload
+            log.warning("rank %d: the checkpoint at step %d is damaged on a rank; trying the previous one",
+                        self.me.rank, step)
+        raise checkpoint.CheckpointError(
+            checkpoint.no_usable_checkpoint(checkpoint.checkpoint_dir(self.run_dir), problems or ["(on another rank)"])
+        )
 
     def _save(self, steps_done: int, elapsed: float) -> None:
         """Every rank saves its file; rank 0 publishes the set once all exist; then old files go."""
@@ -198,7 +230,7 @@ class Trainer:
         if self.me.rank == 0:
             checkpoint.publish(self.run_dir, self.cfg, steps_done)
         self._barrier()
-        checkpoint.prune(self.run_dir, self.me.rank, steps_done)
+        checkpoint.prune(self.run_dir, self.me.rank)
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> None:

@@ -41,52 +41,37 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from collectives import (
-    RESULTS,
-    aligned_seconds,
-    hooked_ddp,
-    init_worker,
-    max_over_ranks,
-    median,
-    progress,
-    rank_gradient,
-    require_emulation,
-    train_step,
-    worker_config,
-    write_csv,
-    write_result,
-)
+import common
+from common import median
 from flexcomm.netem import EmulatedCluster, RateChange, ScheduleRunner, parse_schedule
-from flexcomm.launch import run_ranks
 
 READY = "@@ready"
-KINDS = ("allreduce", "allgather", "broadcast")
+KINDS = common.COLLECTIVES
 WITHIN = 0.25
 
 
 # ============================================================================ worker
 def _estimates(state: Any) -> dict[str, float]:
+    """flex's current (alpha, bandwidth) estimate of every collective kind."""
     params = state.chooser.params
     out = {}
     for kind in KINDS:
         link = params.link(kind)
         out[f"alpha_{kind}_s"] = link.alpha
-        out[f"bw_{kind}_mbit"] = 8 / link.beta / 1e6 if link.beta > 0 else math.inf
+        out[f"bw_{kind}_mbit"] = common.bandwidth_mbit(link.beta)
     return out
 
 
 def worker_main(cfg: dict[str, Any]) -> None:
     """Step ``flex`` until ``duration_s`` after the ready signal; rank 0 writes the per-step log."""
-    rank, world = init_worker()
+    rank, world = common.init_worker()
     # DDP fills buckets in reverse parameter order with a 1 MiB first-bucket cap: with the
     # parameters listed small-to-large, the largest (>= 1 MiB) closes bucket 0 on its own
     # and the smaller ones follow in their own buckets (cap = the largest size).
@@ -94,10 +79,10 @@ def worker_main(cfg: dict[str, Any]) -> None:
     overrides = {k: cfg[k] for k in ("flex_interval", "probe_every", "forgetting") if cfg[k] is not None}
     if cfg["probe_sizes"] is not None:
         overrides["probe_sizes"] = tuple(cfg["probe_sizes"])
-    model, state = hooked_ddp(sizes, "flex", cfg["density"], **overrides)
-    grad = rank_gradient(sum(sizes))
+    model, state = common.hooked_ddp(sizes, "flex", cfg["density"], **overrides)
+    grad = common.rank_gradient(sum(sizes))
     for _ in range(2):  # the first probe, DDP's first-iteration work
-        train_step(model, grad)
+        common.train_step(model, grad)
     state.drain_records()
     dist.barrier()
     if rank == 0:
@@ -107,9 +92,9 @@ def worker_main(cfg: dict[str, Any]) -> None:
     while True:
         step = state.step
         t0 = time.time()
-        seconds = aligned_seconds(lambda: train_step(model, grad))
+        seconds = common.aligned_seconds(lambda: common.train_step(model, grad))
         records = state.drain_records()
-        agreed_seconds, elapsed = max_over_ranks([seconds, time.time() - started])
+        agreed_seconds, elapsed = common.max_over_ranks([seconds, time.time() - started])
         row = {"step": step, "wall_start": t0, "wall_end": t0 + agreed_seconds, "step_s": agreed_seconds,
                "probed": state._probed_at == step, **_estimates(state)}
         for rec in records:
@@ -118,70 +103,71 @@ def worker_main(cfg: dict[str, Any]) -> None:
             row[f"bucket{rec.bucket}_t_exchange_s"] = rec.t_exchange
             row[f"bucket{rec.bucket}_predicted_s"] = rec.predicted
         rows.append(row)
-        progress()
+        common.progress()
         if elapsed >= cfg["duration_s"]:
             break
-    write_result(cfg, rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish_worker(cfg, rows)
 
 
 # ============================================================================ launcher
 def run(args: argparse.Namespace, schedule: str, duration_s: float) -> tuple[list[dict[str, Any]], list[RateChange], float]:
     """Run the job; start the schedule when rank 0 reports ready.  Returns rows, changes, start wall."""
-    import tempfile
-
-    from tqdm import tqdm
-
     cfg = {"buckets": args.buckets, "density": args.density, "flex_interval": args.flex_interval,
            "probe_every": args.probe_every, "probe_sizes": args.probe_sizes, "duration_s": duration_s,
            "forgetting": args.forgetting}
     runners: list[ScheduleRunner] = []
-    ready = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="flexcomm-adapt-") as tmp, \
-            EmulatedCluster(2, schedule, prefix="fca") as cluster, \
-            tqdm(total=None, desc="steps", unit="step", dynamic_ncols=True) as bar:
-        cfg["result_path"] = str(Path(tmp) / "result.json")
-        cfg_path = Path(tmp) / "config.json"
-        cfg_path.write_text(json.dumps(cfg))
-
-        def on_line(rank: int, line: str) -> None:
-            if line.startswith(READY) and not ready.is_set():
+    with EmulatedCluster(2, schedule, prefix="fca") as cluster:
+        def start_schedule(rank: int, line: str) -> None:
+            if line.startswith(READY) and not runners:  # only rank 0 says it, once
                 runners.append(cluster.start_schedule())
-                ready.set()
-            elif line.startswith("@@progress"):
-                bar.update(1)
 
-        run_ranks(cluster, 2, [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)],
-                  timeout=duration_s * 4 + 600, on_line=on_line)
+        rows = common.run_job(__file__, cluster, 2, cfg, None, "steps", timeout=duration_s * 4 + 600,
+                              on_line=start_schedule)
         runner = runners[0]
         runner.stop()
-        rows = json.loads(Path(cfg["result_path"]).read_text())
         return rows, list(runner.changes), float(runner.start_wall or math.nan)
 
 
-def true_rate_at(wall: float, changes: Sequence[RateChange], start_wall: float) -> float:
-    """The rate in force at wall-clock time ``wall`` (the last change applied before it).
+def in_force(wall: float, changes: Sequence[RateChange], start_wall: float, field: str) -> float:
+    """The schedule's ``field`` (``rate_bps`` or ``delay_s``) in force at wall-clock time ``wall``.
 
-    Before the runner's first change the cluster already runs at the first phase's rate
-    (it is applied when the cluster starts).
+    Before the runner's first change the cluster already runs at the first phase's settings
+    (they are applied when the cluster starts).
     """
-    rate = changes[0].rate_bps if changes else math.nan
+    value = getattr(changes[0], field) if changes else math.nan
     for c in changes:
         if start_wall + c.time_s <= wall:
-            rate = c.rate_bps
-    return rate
+            value = getattr(c, field)
+    return value
+
+
+def _first_step(after: Sequence[dict[str, Any]], reached: Callable[[dict[str, Any]], bool], change_wall: float
+                ) -> dict[str, Any]:
+    """Steps and seconds from a change until ``reached(row)`` first holds in ``after`` (the rows since it)."""
+    for i, r in enumerate(after):
+        if reached(r):
+            return {"steps": i + 1, "seconds": r["wall_end"] - change_wall, "reached": True}
+    return {"steps": len(after), "seconds": (after[-1]["wall_end"] - change_wall) if after else math.nan,
+            "reached": False}
+
+
+def _within(after: Sequence[dict[str, Any]], key: str, target: float, change_wall: float) -> dict[str, Any]:
+    """Until ``key`` is first within 25% of ``target``."""
+    return _first_step(after, lambda r: abs(r[key] - target) <= WITHIN * abs(target), change_wall)
+
+
+def _crossing(after: Sequence[dict[str, Any]], key: str, old: float, new: float, change_wall: float
+              ) -> dict[str, Any]:
+    """Until ``key`` first passes the midpoint from ``old`` towards ``new``."""
+    mid = (old + new) / 2
+    return _first_step(after, lambda r: (r[key] - mid) * (new - old) >= 0, change_wall)
 
 
 def lag(rows: Sequence[dict[str, Any]], change_wall: float, end_wall: float, kind: str, target_mbit: float
         ) -> dict[str, Any]:
     """Steps and seconds from a change until ``kind``'s estimate is within 25% of ``target_mbit``."""
-    after = [r for r in rows if r["wall_start"] >= change_wall and r["wall_start"] < end_wall]
-    for i, r in enumerate(after):
-        if abs(r[f"bw_{kind}_mbit"] - target_mbit) <= WITHIN * target_mbit:
-            return {"steps": i + 1, "seconds": r["wall_end"] - change_wall, "reached": True}
-    return {"steps": len(after), "seconds": (after[-1]["wall_end"] - change_wall) if after else math.nan,
-            "reached": False}
+    after = [r for r in rows if change_wall <= r["wall_start"] < end_wall]
+    return _within(after, f"bw_{kind}_mbit", target_mbit, change_wall)
 
 
 def lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float) -> list[dict[str, Any]]:
@@ -203,15 +189,6 @@ def lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wa
     return out
 
 
-def true_delay_at(wall: float, changes: Sequence[RateChange], start_wall: float) -> float:
-    """The one-way delay (s) in force at wall-clock time ``wall``."""
-    delay = changes[0].delay_s if changes else math.nan
-    for c in changes:
-        if start_wall + c.time_s <= wall:
-            delay = c.delay_s
-    return delay
-
-
 def _library_defaults() -> dict[str, Any]:
     """FlexState's defaults of the knobs this benchmark can override (recorded with the results)."""
     import inspect
@@ -220,25 +197,6 @@ def _library_defaults() -> dict[str, Any]:
 
     params = inspect.signature(flexcomm.FlexState.__init__).parameters
     return {k: params[k].default for k in ("flex_interval", "probe_every", "probe_sizes", "forgetting")}
-
-
-def _crossing(after: Sequence[dict[str, Any]], key: str, old: float, new: float, change_wall: float
-              ) -> dict[str, Any]:
-    """Steps and seconds until ``key`` first passes the midpoint from ``old`` towards ``new``."""
-    mid = (old + new) / 2
-    for i, r in enumerate(after):
-        if (r[key] - mid) * (new - old) >= 0:
-            return {"steps": i + 1, "seconds": r["wall_end"] - change_wall, "reached": True}
-    return {"steps": len(after), "seconds": (after[-1]["wall_end"] - change_wall) if after else math.nan,
-            "reached": False}
-
-
-def _within(after: Sequence[dict[str, Any]], key: str, target: float, change_wall: float) -> dict[str, Any]:
-    for i, r in enumerate(after):
-        if abs(r[key] - target) <= WITHIN * abs(target):
-            return {"steps": i + 1, "seconds": r["wall_end"] - change_wall, "reached": True}
-    return {"steps": len(after), "seconds": (after[-1]["wall_end"] - change_wall) if after else math.nan,
-            "reached": False}
 
 
 def delay_lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float
@@ -268,65 +226,50 @@ def delay_lags(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], st
     return out
 
 
-def plot_delay(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float, path: Path,
-               buckets: int) -> None:
-    """Estimated alpha vs the configured one-way delay (top), step time and chosen exchanges (bottom)."""
-    import matplotlib
+class Panel(NamedTuple):
+    """What the plot's top panel shows: flex's estimate against the schedule's true value."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    estimate: str  # row key, with {kind}
+    unit_scale: float  # row value -> plotted unit
+    estimate_label: str
+    truth: Callable[[RateChange], float]  # in the plotted unit
+    truth_label: str
+    ylabel: str
+    yscale: str
+    title: str
+    step_scale: float  # step seconds -> the twin axis's unit
+    step_label: str
+    step_yscale: str
 
-    t = [r["wall_end"] - start_wall for r in rows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green")):
-        top.plot(t, [r[f"alpha_{kind}_s"] * 1e3 for r in rows], ".-", ms=3, lw=0.8, color=color,
-                 label=f"estimated alpha ({kind})")
-    edges = [c.time_s for c in changes] + [t[-1] if t else 0.0]
-    for c, (a, b) in zip(changes, zip(edges, edges[1:])):
-        top.plot([a, b], [c.delay_s * 1e3] * 2, "k-", lw=2)
-    top.plot([], [], "k-", lw=2, label="configured one-way delay (schedule)")
-    for a in edges[1:-1]:
-        top.axvline(a, color="gray", ls=":", lw=1)
-        bottom.axvline(a, color="gray", ls=":", lw=1)
-    top.set(ylabel="ms", title="flex's estimated alpha vs the emulated one-way delay")
-    top.legend(fontsize=8)
-    top.grid(True, alpha=0.3)
-    levels = {"dense": 0, "agtopk": 1, "artopk": 2}
-    for b in range(buckets):
-        key = f"bucket{b}_exchange"
-        sel = [(ti, levels[r[key]] + 0.12 * (b - (buckets - 1) / 2)) for ti, r in zip(t, rows) if key in r]
-        numel = next((r[f"bucket{b}_numel"] for r in rows if f"bucket{b}_numel" in r), 0)
-        bottom.plot([s[0] for s in sel], [s[1] for s in sel], "|", ms=8, label=f"bucket {b} ({numel:,} floats)")
-    bottom.set_yticks(list(levels.values()), list(levels))
-    bottom.set(xlabel="seconds since the schedule started", ylabel="chosen exchange")
-    twin = bottom.twinx()
-    twin.plot(t, [r["step_s"] * 1e3 for r in rows], color="tab:gray", lw=0.6, alpha=0.6)
-    twin.set(ylabel="step ms (gray)")
-    bottom.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+PANELS = {
+    "rate": Panel("bw_{kind}_mbit", 1.0, "estimated ({kind})", lambda c: c.rate_bps / 1e6, "true rate (schedule)",
+                  "Mbit/s", "log", "flex's estimated bandwidth (8/beta) vs the emulated link rate",
+                  1.0, "step s (gray)", "log"),
+    "delay": Panel("alpha_{kind}_s", 1e3, "estimated alpha ({kind})", lambda c: c.delay_s * 1e3,
+                   "configured one-way delay (schedule)", "ms", "linear",
+                   "flex's estimated alpha vs the emulated one-way delay", 1e3, "step ms (gray)", "linear"),
+}
 
 
 def plot(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wall: float, path: Path,
-         buckets: int) -> None:
-    """Estimated bandwidth vs the true schedule (top), chosen exchange per bucket and step time (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+         buckets: int, panel: Panel) -> None:
+    """flex's estimate vs the true schedule (top), chosen exchange per bucket and step time (bottom)."""
     t = [r["wall_end"] - start_wall for r in rows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green")):
-        top.plot(t, [r[f"bw_{kind}_mbit"] for r in rows], ".-", ms=3, lw=0.8, color=color, label=f"estimated ({kind})")
+    fig, (top, bottom) = common.figure(2, 1, figsize=(11, 7), sharex=True, squeeze=True,
+                                       gridspec_kw={"height_ratios": [2, 1]})
+    for kind in KINDS:
+        top.plot(t, [r[panel.estimate.format(kind=kind)] * panel.unit_scale for r in rows], ".-", ms=3, lw=0.8,
+                 color=common.COLLECTIVE_COLORS[kind],
+                 label=panel.estimate_label.format(kind=kind))
     edges = [c.time_s for c in changes] + [t[-1] if t else 0.0]
     for c, (a, b) in zip(changes, zip(edges, edges[1:])):
-        top.plot([a, b], [c.rate_bps / 1e6] * 2, "k-", lw=2)
-    top.plot([], [], "k-", lw=2, label="true rate (schedule)")
-    for a, b in zip(edges[1:-1], edges[1:-1]):
+        top.plot([a, b], [panel.truth(c)] * 2, "k-", lw=2)
+    top.plot([], [], "k-", lw=2, label=panel.truth_label)
+    for a in edges[1:-1]:
         top.axvline(a, color="gray", ls=":", lw=1)
-    top.set(yscale="log", ylabel="Mbit/s", title="flex's estimated bandwidth (8/beta) vs the emulated link rate")
+        bottom.axvline(a, color="gray", ls=":", lw=1)
+    top.set(yscale=panel.yscale, ylabel=panel.ylabel, title=panel.title)
     top.legend(fontsize=8)
     top.grid(True, which="both", alpha=0.3)
     levels = {"dense": 0, "agtopk": 1, "artopk": 2}
@@ -338,17 +281,14 @@ def plot(rows: Sequence[dict[str, Any]], changes: Sequence[RateChange], start_wa
     bottom.set_yticks(list(levels.values()), list(levels))
     bottom.set(xlabel="seconds since the schedule started", ylabel="chosen exchange")
     twin = bottom.twinx()
-    twin.plot(t, [r["step_s"] for r in rows], color="tab:gray", lw=0.6, alpha=0.6)
-    twin.set(yscale="log", ylabel="step s (gray)")
+    twin.plot(t, [r["step_s"] * panel.step_scale for r in rows], color="tab:gray", lw=0.6, alpha=0.6)
+    twin.set(yscale=panel.step_yscale, ylabel=panel.step_label)
     bottom.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1gbit:6s,20mbit:6s,1gbit for 6 s more")
+    parser = common.argument_parser(__doc__, "smoke run: 1gbit:6s,20mbit:6s,1gbit for 6 s more")
     parser.add_argument("--schedule", default="1gbit:20s,20mbit:20s,1gbit")
     parser.add_argument("--last-phase", type=float, default=20.0, help="seconds of the last (open-ended) phase")
     parser.add_argument("--buckets", default="2000000", help="floats per DDP bucket (comma-separated: one bucket each)")
@@ -359,37 +299,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forgetting", type=float, default=None,
                         help="the estimator's forgetting factor (default: the library's)")
     parser.add_argument("--tag", default="", help="suffix of the output files")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    require_emulation()
+    common.require_emulation()
     if args.quick:
         args.schedule, args.last_phase = "1gbit:6s,20mbit:6s,1gbit", 6.0
-    args.buckets = [int(float(b)) for b in args.buckets.split(",")]
+    args.buckets = common.numbers(args.buckets, int)
     if args.probe_sizes is not None:
-        args.probe_sizes = [int(float(b)) for b in args.probe_sizes.split(",")]
+        args.probe_sizes = common.numbers(args.probe_sizes, int)
     phases = parse_schedule(args.schedule)
     duration = sum(p.duration_s or 0.0 for p in phases) + args.last_phase
     rows, changes, start_wall = run(args, args.schedule, duration)
     for r in rows:
-        r["true_mbit"] = true_rate_at(r["wall_start"], changes, start_wall) / 1e6
-        r["true_delay_ms"] = true_delay_at(r["wall_start"], changes, start_wall) * 1e3
+        r["true_mbit"] = in_force(r["wall_start"], changes, start_wall, "rate_bps") / 1e6
+        r["true_delay_ms"] = in_force(r["wall_start"], changes, start_wall, "delay_s") * 1e3
         r["t_s"] = r["wall_start"] - start_wall
         r["phase"] = max([0] + [j for j, c in enumerate(changes) if start_wall + c.time_s <= r["wall_start"]])
     result = {"schedule": args.schedule, "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
               "library_defaults": _library_defaults(),
               "changes": [c._asdict() for c in changes], "lags": lags(rows, changes, start_wall),
               "delay_lags": delay_lags(rows, changes, start_wall),
-              "steps": len(rows), "command": " ".join(["python", *sys.argv])}
+              "steps": len(rows), "command": common.command_line()}
     suffix = ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     keys = sorted({k for r in rows for k in r},
                   key=lambda k: (k not in ("step", "t_s", "phase", "true_mbit", "true_delay_ms"), k))
-    write_csv(args.out_dir / f"adaptivity{suffix}.csv", [{k: r.get(k, "") for k in keys} for r in rows])
+    common.write_csv(args.out_dir / f"adaptivity{suffix}.csv", [{k: r.get(k, "") for k in keys} for r in rows])
     (args.out_dir / f"adaptivity{suffix}.json").write_text(json.dumps(result, indent=2))
-    if any(c.delay_s != changes[0].delay_s for c in changes):
-        plot_delay(rows, changes, start_wall, args.out_dir / f"adaptivity{suffix}.png", len(args.buckets))
-    else:
-        plot(rows, changes, start_wall, args.out_dir / f"adaptivity{suffix}.png", len(args.buckets))
+    panel = PANELS["delay" if any(c.delay_s != changes[0].delay_s for c in changes) else "rate"]
+    plot(rows, changes, start_wall, args.out_dir / f"adaptivity{suffix}.png", len(args.buckets), panel)
     _print_report(result, rows)
     return 0
 
@@ -436,8 +373,4 @@ def _print_report(result: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Non
 
 
 if __name__ == "__main__":
-    config = worker_config()
-    if config is not None:
-        worker_main(config)
-    else:
-        raise SystemExit(main())
+    common.main_or_worker(main, worker_main)

@@ -32,6 +32,7 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 import runs  # noqa: E402
+from common import write_csv  # noqa: E402
 from runs import RESULTS, Run, Spec, fmt, load, mbytes, metrics  # noqa: E402
 from flexcomm.train.report import trailing_mean  # noqa: E402
 
@@ -80,7 +81,7 @@ def report(models: list[str], dropped: list[str], frac: float, runner: runs.Runn
         rows += [metrics(r, target, runs.target_from(by.get("dense"), 0.9)) for r in rs]
         lines += headline(m, by, target)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    runs.write_csv(rows, RESULTS / "dynamic_cr.csv")
+    write_csv(RESULTS / "dynamic_cr.csv", rows, float_format=".6g")
     reused = ", ".join(sorted(s.dir.name for m in models for s in specs(m) if s in e2e_specs())) or "none"
     write_md(rows, loaded, dropped, frac, targets, lines, reused)
     plot(loaded, targets)

@@ -40,7 +40,9 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 import runs  # noqa: E402
+from common import write_csv  # noqa: E402
 from runs import RESULTS, Run, Spec, fmt, load, mbytes, metrics  # noqa: E402
+from flexcomm.train.report import draw_leader_shares  # noqa: E402
 
 FLEXCOMM = ("agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
 
@@ -142,7 +144,7 @@ def report(groups: list[tuple[str, list[Spec]]], dropped: list[str], frac: float
 
     rows = [metrics(r, target_of(r), alt_targets.get(key_of(r))) for rs in loaded.values() for r in rs]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    runs.write_csv(rows, RESULTS / "e2e.csv")
+    write_csv(RESULTS / "e2e.csv", rows, float_format=".6g")
     ratios = headline(loaded.get("resnet18 2 ranks", []), target_of)
     write_md(rows, loaded, dropped, frac, alt_frac, targets, ratios)
     plot_accuracy(loaded, target_of)
@@ -317,16 +319,8 @@ def plot_leaders(rs: list[Run]) -> None:
     hist_ax.set(xlabel="rank", ylabel="training samples", title=f"label histogram per rank ({rs[0].spec.group})")
     hist_ax.set_xticks(range(len(hists)))
     hist_ax.legend(title="class", fontsize="x-small", ncol=2)
-    width = 0.8 / len(rs)
-    for i, r in enumerate(rs):
-        counts = r.summary.get("leader_counts") or []
-        total = sum(counts) or 1
-        lead_ax.bar([k + i * width for k in range(len(counts))], [c / total for c in counts], width,
-                    label=f"{r.spec.method} ({' '.join(map(str, counts))})")
-    n = max(len(r.summary.get("leader_counts") or []) for r in rs)
-    lead_ax.set_xticks([k + 0.4 - width / 2 for k in range(n)], [str(k) for k in range(n)])
-    lead_ax.set(xlabel="rank", ylabel="share of steps as index source", title="leader (index source) density per rank")
-    lead_ax.legend(fontsize="small")
+    draw_leader_shares(lead_ax, [(f"{r.spec.method} ({' '.join(map(str, r.summary.get('leader_counts') or []))})",
+                                  r.summary.get("leader_counts") or []) for r in rs])
     for r in rs:
         ev = r.evals
         acc_ax.plot([e["wall"] for e in ev], [e["accuracy"] for e in ev], marker="o", ms=3,

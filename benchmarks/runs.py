@@ -18,13 +18,12 @@ may change between runs).  Only small files are kept: ``config.json``, ``data.js
 Analysis helpers: the first evaluation at or above a target accuracy (training time =
 sum of step times, as ``summary.json``'s ``time_to_target``; and wall time), mean step
 time per network phase (phases from ``network.json``'s applied rate changes, each step
-placed by the midpoint of its training time on the run's wall clock), and CSV / Markdown
-writers.
+placed by the midpoint of its training time on the run's wall clock), and Markdown
+tables.  A run's files are read with :mod:`flexcomm.train.records`' readers.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import math
@@ -41,11 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flexcomm.train.records import NETWORK_FILE, RECORDS_FILE, SUMMARY_FILE, read_records, read_summary
+
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 RUNS = RESULTS / "runs"
 TRAIN = str(Path(sys.executable).parent / "flexcomm-train")
-KEEP = {"config.json", "data.json", "records.jsonl", "summary.json", "network.json", "bench.json"}
+KEEP = {"config.json", "data.json", RECORDS_FILE, SUMMARY_FILE, NETWORK_FILE, "bench.json"}
 
 # -- settings shared by both scripts (identical settings => identical run directory) -------------
 TRAIN_SUBSET = 10_000
@@ -154,7 +155,7 @@ class Spec:
 
 # -- running ------------------------------------------------------------------------------------------
 def done(spec: Spec) -> bool:
-    return (spec.dir / "summary.json").exists()
+    return (spec.dir / SUMMARY_FILE).exists()
 
 
 class Runner:
@@ -210,7 +211,7 @@ class Runner:
         for path in spec.dir.iterdir():
             if path.name not in KEEP:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-        s = load_json(spec.dir / "summary.json")
+        s = read_summary(spec.dir)
         self.ran.append((spec, seconds))
         print(f"    done in {seconds:.0f} s (training {s['train_time']:.1f} s, mean step "
               f"{s['mean_step_time'] * 1e3:.0f} ms, best acc {s['best_accuracy']:.3f}, final "
@@ -273,9 +274,7 @@ class Run:
 def load(spec: Spec) -> Run | None:
     if not done(spec):
         return None
-    records = [json.loads(line) for line in (spec.dir / "records.jsonl").read_text().splitlines() if line.strip()]
-    records.sort(key=lambda r: r["step"])
-    return Run(spec, load_json(spec.dir / "summary.json"), records, load_json(spec.dir / "network.json"),
+    return Run(spec, read_summary(spec.dir), read_records(spec.dir), load_json(spec.dir / NETWORK_FILE),
                load_json(spec.dir / "data.json"), load_json(spec.dir / "bench.json"))
 
 
@@ -382,7 +381,7 @@ def metrics(run: Run, target: float | None, alt_target: float | None = None) -> 
     row["leader_counts"] = " ".join(str(c) for c in lc) if lc and sum(lc) else ""
     row["launcher_wall_s"] = (run.bench or {}).get("launcher_wall_s")
     row["foreign_cores"] = (run.bench or {}).get("foreign_cores")
-    row["finished_utc"] = (run.bench or {}).get("finished_utc") or _mtime_utc(spec.dir / "summary.json")
+    row["finished_utc"] = (run.bench or {}).get("finished_utc") or _mtime_utc(spec.dir / SUMMARY_FILE)
     row["library_sha1"] = (run.bench or {}).get("library_sha1")
     row["run_dir"] = str(spec.dir.relative_to(BENCH.parent))
     return row
@@ -394,25 +393,6 @@ def _mtime_utc(path: Path) -> str:
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1e3
-
-
-def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: _csv_value(row.get(k)) for k in keys})
-
-
-def _csv_value(v: Any) -> Any:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return v
 
 
 def fmt(v: Any, spec: str = ".3g", missing: str = "-") -> str:

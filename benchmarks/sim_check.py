@@ -29,21 +29,19 @@ Writes ``sim_check.csv`` and ``sim_check.png``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import collectives as coll
+import common
+from common import COLLECTIVES, EXCHANGES
 from flexcomm.cost import CostParams, LinkParams
 from flexcomm.netem import parse_rate
 from flexcomm.sim import bucket_sizes, step_comm_time
 
-EXCHANGES = ("dense", "agtopk", "artopk")
 FIT_SIZES = (1e3, 1e4, 1e5, 1e6, 4e6, 1.6e7)
 QUICK_FIT_SIZES = (1e3, 1e5, 1e6, 4e6)
 
@@ -51,43 +49,21 @@ QUICK_FIT_SIZES = (1e3, 1e5, 1e6, 4e6)
 def make_plan(rate: str, n: int, buckets: Sequence[int], densities: Sequence[float], fit_sizes: Sequence[float],
               max_op_s: float) -> list[dict[str, Any]]:
     """Collectives to fit on, and every (bucket, density, exchange) to measure."""
-    plan, _ = coll.make_plan(rate, n, fit_sizes, densities[0], max_op_s)
-    plan = [e for e in plan if e["op"] in coll.COLLECTIVES]
-    params = coll.nominal_params(rate)
+    plan, _ = common.make_plan(rate, n, fit_sizes, densities[0], max_op_s, ops=COLLECTIVES)
+    params = common.nominal_params(rate)
     for numel in sorted(set(buckets)):
         for density in densities:
             for op in EXCHANGES:
                 if op == "dense" and density != densities[0]:
                     continue  # dense does not depend on the density: measured once
-                est = coll.nominal_exchange_seconds(op, numel, density, n, params)
-                plan.append({"op": op, "bytes": numel * 4, "density": density, "est_s": est,
-                             "reps": coll.reps_for(est), "warmup": est < 2.0})
+                est = common.nominal_exchange_seconds(op, numel, density, n, params)
+                plan.append(common.plan_entry(op, numel * 4, est, density=density))
     return plan
 
 
-def measured_exchanges(plan: Sequence[dict[str, Any]], raw: Sequence[dict[str, Any]]) -> dict[tuple[str, int, float], float]:
+def measured_exchanges(points: Sequence[dict[str, Any]]) -> dict[tuple[str, int, float], float]:
     """Median communication time per (exchange, bucket floats, density)."""
-    per: dict[int, list[float]] = {}
-    for s in raw:
-        if plan[s["entry"]]["op"] in EXCHANGES:
-            per.setdefault(s["entry"], []).append(s["times"][2] - s["times"][1])
-    return {(e["op"], e["bytes"] // 4, e["density"]): coll.median(per[i])
-            for i, e in enumerate(plan) if e["op"] in EXCHANGES}
-
-
-def fitted_here(plan: Sequence[dict[str, Any]], raw: Sequence[dict[str, Any]], n: int, rate: str,
-                min_bytes: float = 0.0) -> CostParams:
-    """Fit (alpha, beta) per kind on the collectives of this job of at least ``min_bytes``."""
-    per: dict[int, list[float]] = {}
-    for s in raw:
-        if plan[s["entry"]]["op"] in coll.COLLECTIVES:
-            per.setdefault(s["entry"], []).append(s["times"][0])
-    fits = {}
-    for kind in coll.COLLECTIVES:
-        points = [(e["bytes"], coll.median(per[i])) for i, e in enumerate(plan)
-                  if e["op"] == kind and e["bytes"] >= min_bytes]
-        fits[kind] = coll.fit_kind(kind, points, n, parse_rate(rate))
-    return CostParams(fits["allreduce"], fits["allgather"], fits["broadcast"])
+    return {(r["kind"], r["bytes"] // 4, r["density"]): r["measured_s"] for r in points if r["kind"] in EXCHANGES}
 
 
 def from_collectives_json(path: Path, rate: str, n: int, key: str = "fits") -> CostParams | None:
@@ -137,13 +113,8 @@ def dedupe(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Measured vs simulated step communication time, one panel per (rate, N)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = sorted({(r["rate"], r["world_size"]) for r in rows}, key=lambda g: (-parse_rate(g[0]), g[1]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    fig, axes = common.figure(1, len(groups), figsize=(5 * len(groups), 4))
     fits = list(dict.fromkeys(r["fit"] for r in rows))
     for ax, (rate, n) in zip(axes[0], groups):
         sel = [r for r in rows if (r["rate"], r["world_size"]) == (rate, n)]
@@ -159,27 +130,20 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
         ax.set(yscale="log", ylabel="s per step (communication)", title=f"{rate}, N={n}")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1gbit, N=2, 2M params, density 0.1")
-    parser.add_argument("--rates", default="1gbit,100mbit")
-    parser.add_argument("--worlds", default="2,4")
+    parser = common.argument_parser(__doc__, "smoke run: 1gbit, N=2, 2M params, density 0.1", rates="1gbit,100mbit",
+                                    worlds="2,4", densities="0.1,0.01")
     parser.add_argument("--params", type=int, default=11_200_000, help="model size in parameters")
-    parser.add_argument("--densities", default="0.1,0.01")
     parser.add_argument("--max-op-seconds", type=float, default=10.0)
-    parser.add_argument("--out-dir", type=Path, default=coll.RESULTS)
     args = parser.parse_args(argv)
-    coll.require_emulation()
+    common.require_emulation()
     if args.quick:
         args.rates, args.worlds, args.params, args.densities = "1gbit", "2", 2_000_000, "0.1"
     suffix = "_quick" if args.quick else ""
-    rates, worlds = args.rates.split(","), [int(w) for w in args.worlds.split(",")]
-    densities = [float(c) for c in args.densities.split(",")]
+    rates, worlds, densities = args.rates.split(","), common.numbers(args.worlds, int), common.numbers(args.densities)
     buckets = bucket_sizes(args.params)
     fit_sizes = QUICK_FIT_SIZES if args.quick else FIT_SIZES
     print(f"{args.params:,} parameters -> buckets {buckets}")
@@ -188,13 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in worlds:
         for rate in rates:
             plan = make_plan(rate, n, buckets, densities, fit_sizes, args.max_op_seconds)
-            with coll.network(rate, n, "fcm") as cluster:
-                raw = coll.run_job(coll.__file__, cluster, n, {"plan": plan, "density": densities[0]},
-                                   total=sum(e["reps"] for e in plan), desc=f"{rate} N={n}",
-                                   timeout=3 * coll.plan_seconds(plan) + 600)
-            measured = measured_exchanges(plan, raw)
-            fits = {"this_run": fitted_here(plan, raw, n, rate),
-                    "this_run_ge1MB": fitted_here(plan, raw, n, rate, coll.ONE_MB)}
+            points = common.point_rows(rate, n, plan, common.run_plan(__file__, rate, n, plan, densities[0], "fcm"))
+            measured = measured_exchanges(points)
+            fits = {"this_run": common.fit_collectives(points, n, rate),
+                    "this_run_ge1MB": common.fit_collectives(points, n, rate, common.ONE_MB)}
             for key, label in (("fits", "collectives.py"), ("fits_ge1MB", "collectives.py_ge1MB")):
                 other = from_collectives_json(args.out_dir / "collectives_fit.json", rate, n, key)
                 if other is not None:
@@ -206,10 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += compare(rate, n, args.params, buckets, densities, measured, fits)
     rows = dedupe(rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    coll.write_csv(args.out_dir / f"sim_check{suffix}.csv", rows)
+    common.write_csv(args.out_dir / f"sim_check{suffix}.csv", rows)
     plot(rows, args.out_dir / f"sim_check{suffix}.png")
     _print_report(rows)
-    print("command: " + " ".join(["python", *sys.argv]))
+    print("command: " + common.command_line())
     return 0
 
 
@@ -220,8 +181,8 @@ def _print_report(rows: Sequence[dict[str, Any]]) -> None:
               f"measured {r['measured_s']:8.4f} s  sim {r['simulated_s']:8.4f} s  err {100 * r['rel_error']:+6.1f}%")
     for fit in dict.fromkeys(r["fit"] for r in rows):
         errs = [abs(r["rel_error"]) for r in rows if r["fit"] == fit]
-        print(f"median |error| with fit {fit}: {100 * coll.median(errs):.1f}% over {len(errs)} rows")
+        print(f"median |error| with fit {fit}: {100 * common.median(errs):.1f}% over {len(errs)} rows")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    common.main_or_worker(main, common.time_plan_worker)

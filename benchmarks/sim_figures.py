@@ -14,18 +14,12 @@ and prints the key ratios.
 
 from __future__ import annotations
 
-import argparse
-import csv
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from flexcomm.cost import GLOO_ALGORITHMS, TREE_ALGORITHMS, Algorithms, CostParams, LinkParams  # noqa: E402
-from flexcomm.sim import MODEL_NUM_PARAMS, Topology, comm_vs_world_size, step_dense_time_hierarchical  # noqa: E402
+import common
+from flexcomm.cost import GLOO_ALGORITHMS, TREE_ALGORITHMS, Algorithms, CostParams, LinkParams
+from flexcomm.sim import MODEL_NUM_PARAMS, Topology, comm_vs_world_size, step_dense_time_hierarchical
 
 WORLD_SIZES = [2**i for i in range(1, 11)]
 ALGORITHM_SETS: dict[str, Algorithms] = {"gloo_ring": GLOO_ALGORITHMS, "paper_tree": TREE_ALGORITHMS}
@@ -60,14 +54,6 @@ def fig1b_rows() -> list[dict[str, object]]:
     ]
 
 
-def write_csv(rows: Sequence[dict[str, object]], path: Path) -> None:
-    """Write ``rows`` (all with the same keys) as CSV."""
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _series(rows: Sequence[dict[str, object]], **match: object) -> list[float]:
     """``seconds`` of the rows matching ``match``, in row order."""
     return [float(r["seconds"]) for r in rows if all(r[k] == v for k, v in match.items())]
@@ -75,7 +61,7 @@ def _series(rows: Sequence[dict[str, object]], **match: object) -> list[float]:
 
 def plot_fig5(rows: Sequence[dict[str, object]], path: Path) -> None:
     """Communication time vs N, one panel per model, log-log axes."""
-    fig, axes = plt.subplots(1, len(MODEL_NUM_PARAMS), figsize=(15, 4.2), sharey=True)
+    fig, axes = common.figure(1, len(MODEL_NUM_PARAMS), figsize=(15, 4.2), sharey=True, squeeze=True)
     styles = {"gloo_ring": "-", "paper_tree": "--"}
     colors = {"agtopk": "tab:red", "artopk": "tab:blue"}
     for ax, model in zip(axes, MODEL_NUM_PARAMS):
@@ -95,14 +81,12 @@ def plot_fig5(rows: Sequence[dict[str, object]], path: Path) -> None:
         f"Simulated AG-Topk vs AR-Topk: density {first['density']}, alpha {float(first['alpha_s']) * 1e3:g} ms, "
         f"{float(first['bandwidth_bps']) / 1e9:g} Gbit/s, 25 MiB buckets"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save(fig, path)
 
 
 def plot_fig1b(rows: Sequence[dict[str, object]], path: Path) -> None:
     """Grouped bars: dense allreduce per step, intra-node vs inter-node, per model."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = common.figure(figsize=(7, 4), squeeze=True)
     width = 0.38
     for i, setup in enumerate(SETUPS):
         seconds = _series(rows, setup=setup)
@@ -113,9 +97,7 @@ def plot_fig1b(rows: Sequence[dict[str, object]], path: Path) -> None:
     ax.set_title("Simulated aggregation latency, 8 workers")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save(fig, path)
 
 
 def print_ratios(fig5: Sequence[dict[str, object]], fig1b: Sequence[dict[str, object]]) -> None:
@@ -140,8 +122,7 @@ def print_ratios(fig5: Sequence[dict[str, object]], fig1b: Sequence[dict[str, ob
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, write both figures' CSV and PNG, print the ratio table."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--density", type=float, default=0.1, help="fraction of elements kept (CR)")
     parser.add_argument("--alpha", type=float, default=5e-3, help="latency per message in seconds")
     parser.add_argument("--bandwidth-gbps", type=float, default=1.0)
@@ -149,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     fig5 = fig5_rows(args.density, args.alpha, args.bandwidth_gbps * 1e9)
-    write_csv(fig5, args.out_dir / "sim_fig5_comm_vs_n.csv")
+    common.write_csv(args.out_dir / "sim_fig5_comm_vs_n.csv", fig5)
     plot_fig5(fig5, args.out_dir / "sim_fig5_comm_vs_n.png")
     fig1b = fig1b_rows()
-    write_csv(fig1b, args.out_dir / "sim_fig1b_intra_vs_inter.csv")
+    common.write_csv(args.out_dir / "sim_fig1b_intra_vs_inter.csv", fig1b)
     plot_fig1b(fig1b, args.out_dir / "sim_fig1b_intra_vs_inter.png")
     print_ratios(fig5, fig1b)
     print(f"\nwrote {args.out_dir}/sim_fig5_comm_vs_n.{{csv,png}} and sim_fig1b_intra_vs_inter.{{csv,png}}")

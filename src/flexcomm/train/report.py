@@ -186,18 +186,21 @@ def plot_leaders(runs: list[Run], path: Path) -> Path | None:
     if not led:
         return None
     fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.subplots()
-    width = 0.8 / len(led)
-    for i, run in enumerate(led):
-        counts = run.summary["leader_counts"]
-        total = sum(counts)
-        ax.bar([r + i * width for r in range(len(counts))], [c / total for c in counts], width, label=run.name)
-    ranks = max(len(run.summary["leader_counts"]) for run in led)
-    ax.set_xticks([r + 0.4 - width / 2 for r in range(ranks)], [str(r) for r in range(ranks)])
-    ax.set(xlabel="rank", ylabel="share of index selections", title="index-source density per rank")
-    ax.legend(fontsize="small")
+    draw_leader_shares(fig.subplots(), [(run.name, run.summary["leader_counts"]) for run in led])
     fig.savefig(path, dpi=110)
     return path
+
+
+def draw_leader_shares(ax: Any, labelled_counts: Sequence[tuple[str, Sequence[int]]]) -> None:
+    """Grouped bars: per rank, the share of steps it was the AR-Topk index source, one bar per run (Fig. 4)."""
+    width = 0.8 / len(labelled_counts)
+    for i, (label, counts) in enumerate(labelled_counts):
+        total = sum(counts) or 1
+        ax.bar([r + i * width for r in range(len(counts))], [c / total for c in counts], width, label=label)
+    ranks = max(len(counts) for _, counts in labelled_counts)
+    ax.set_xticks([r + 0.4 - width / 2 for r in range(ranks)], [str(r) for r in range(ranks)])
+    ax.set(xlabel="rank", ylabel="share of steps as index source", title="index-source (leader) share per rank")
+    ax.legend(fontsize="small")
 
 
 # -- table ------------------------------------------------------------------------------

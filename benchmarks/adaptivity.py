@@ -96,7 +96,7 @@ def worker_main(cfg: dict[str, Any]) -> None:
         records = state.drain_records()
         agreed_seconds, elapsed = common.max_over_ranks([seconds, time.time() - started])
         row = {"step": step, "wall_start": t0, "wall_end": t0 + agreed_seconds, "step_s": agreed_seconds,
-               "probed": state._probed_at == step, **_estimates(state)}
+               "probed": state.planner.probed_at == step, **_estimates(state)}
         for rec in records:
             row[f"bucket{rec.bucket}_numel"] = rec.numel
             row[f"bucket{rec.bucket}_exchange"] = rec.exchange

@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from flexcomm.compress import TopkWorkspace, k_for, mstopk_indices, pack, topk_indices  # noqa: E402
-from flexcomm.hook import _contributed_values, _gain, _norm_and_finiteness  # noqa: E402
+from flexcomm.compress.stats import contributed_values, gain, norm_and_finiteness  # noqa: E402
 
 DEFAULT_SIZES = "1e6,1e7,2.5e7"
 QUICK_SIZES = "1e6,1e7"
@@ -120,31 +120,31 @@ def case_methods(x: torch.Tensor, k: int) -> dict[str, Callable[[], object]]:
     given = topk_indices(x, k, TopkWorkspace())  # the indices a non-leader receives
 
     def agtopk_rank() -> torch.Tensor:
-        norm, finite = _norm_and_finiteness(x)
+        norm, finite = norm_and_finiteness(x)
         indices = topk_indices(x, k, workspace)
-        values = _contributed_values(x, indices, finite)
-        _gain(values, norm)
+        values = contributed_values(x, indices, finite)
+        gain(values, norm)
         padding = k - indices.numel()
         return pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
 
     def artopk_leader() -> torch.Tensor:
-        norm, finite = _norm_and_finiteness(x)
+        norm, finite = norm_and_finiteness(x)
         indices = topk_indices(x, k, workspace)
-        values = _contributed_values(x, indices, finite)
-        _gain(values, norm)
+        values = contributed_values(x, indices, finite)
+        gain(values, norm)
         return values
 
     def artopk_nonleader() -> torch.Tensor:
-        norm, finite = _norm_and_finiteness(x)
-        values = _contributed_values(x, given, finite)
-        _gain(values, norm)
+        norm, finite = norm_and_finiteness(x)
+        values = contributed_values(x, given, finite)
+        gain(values, norm)
         return values
 
     def mstopk_rank() -> torch.Tensor:
-        norm, finite = _norm_and_finiteness(x)
+        norm, finite = norm_and_finiteness(x)
         indices = mstopk_indices(x, k, MSTOPK_ROUNDS)
-        values = _contributed_values(x, indices, finite)
-        _gain(values, norm)
+        values = contributed_values(x, indices, finite)
+        gain(values, norm)
         padding = k - indices.numel()
         return pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
 

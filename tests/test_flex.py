@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import agree_on_times, probe_collectives
+from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.control import ExchangeChooser
 from flexcomm.cost import CostEstimator, CostParams, LinkParams
 from multiproc import run_world
@@ -78,7 +78,7 @@ def test_chooser_state_round_trip() -> None:
 
 def _agreement(rank: int, world: int) -> dict:
     local = [0.001 * (rank + 1), 0.5 - rank * 0.1]
-    mins = agree_on_times(local, None, dist.ReduceOp.MIN)
+    mins = allreduce_floats(local, None, dist.ReduceOp.MIN)
     probes = probe_collectives((64, 4096), None)
     return {"mins": mins, "probes": probes}
 

@@ -273,3 +273,33 @@ def test_error_feedback_invariant_holds_for_any_shape_dtype_density_world(world,
                 # Exact top-k: nothing left behind is larger than anything sent.
                 left = memory.residual(0).abs()
                 assert k == numel or float(left.max()) <= float(snapshot.abs()[indices.long()].min())
+
+
+# ---------------------------------------------------------------- per-rank state can't be mixed up
+
+def _load_another_ranks_state(rank: int, world: int) -> str:
+    model, state = hooked_model(compressor="artopk-star", density=DENSITY)
+    exchange(model, gradient(rank, 0))
+    saved: list = [None] * world
+    torch.distributed.all_gather_object(saved, state.state_dict())
+    state.load_state_dict(saved[rank])  # its own state loads
+    try:
+        state.load_state_dict(saved[(rank + 1) % world])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_loading_another_ranks_state_fails_naming_both_ranks() -> None:
+    for rank, message in enumerate(run_world(_load_another_ranks_state, 2)):
+        assert f"belongs to rank {(rank + 1) % 2} of 2" in message
+        assert f"loaded on rank {rank}" in message
+
+
+def test_register_on_a_model_not_wrapped_in_ddp_says_where_to_call_it() -> None:
+    with pytest.raises(TypeError) as raised:
+        flexcomm.register(nn.Linear(4, 2), compressor="artopk-star", density=0.1)
+    message = str(raised.value)
+    assert "needs a torch.nn.parallel.DistributedDataParallel model, got Linear" in message
+    assert "Lightning: use flexcomm.lightning.FlexCommStrategy" in message
+    assert "Accelerate: call flexcomm.accelerate.register(accelerator, model, ...) after accelerator.prepare" in message

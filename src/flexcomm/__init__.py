@@ -1,6 +1,8 @@
 """flexcomm: flexible gradient communication for data-parallel PyTorch over slow, changing networks."""
 
-from flexcomm.hook import COMPRESSORS, BucketRecord, FlexState, hook, register
+from flexcomm.hook import hook, register
+from flexcomm.rendezvous import init_process_group
+from flexcomm.state import COMPRESSORS, BucketRecord, FlexOptions, FlexState
 from flexcomm.version import __version__
 
-__all__ = ["COMPRESSORS", "BucketRecord", "FlexState", "hook", "register", "__version__"]
+__all__ = ["COMPRESSORS", "BucketRecord", "FlexOptions", "FlexState", "hook", "init_process_group", "register", "__version__"]

@@ -1,6 +1,7 @@
-"""Communication: collectives over a torch.distributed process group. No compression math."""
+"""Communication over a torch.distributed process group: collectives, agreement, probes. No compression math."""
 
+from flexcomm.comm.agreement import agree_on_config, allreduce_floats
 from flexcomm.comm.collectives import allgather, allreduce_sum, broadcast_from
-from flexcomm.comm.timing import agree_on_config, agree_on_times, probe_collectives
+from flexcomm.comm.probes import probe_collectives
 
-__all__ = ["agree_on_config", "agree_on_times", "allgather", "allreduce_sum", "broadcast_from", "probe_collectives"]
+__all__ = ["agree_on_config", "allgather", "allreduce_floats", "allreduce_sum", "broadcast_from", "probe_collectives"]

@@ -1,14 +1,19 @@
-"""Compression: pure tensor math (selection, packing, error-feedback memory). No communication."""
+"""Compression: pure tensor math (selection, packing, error-feedback memory, statistics). No communication."""
 
-from flexcomm.compress.memory import ResidualMemory
+from flexcomm.compress.memory import Layout, ResidualMemory
 from flexcomm.compress.mstopk import mstopk_indices
+from flexcomm.compress.selectors import SELECTORS, Selector, make_selector
 from flexcomm.compress.sparse import pack, unpack_all
 from flexcomm.compress.topk import TopkWorkspace, k_for, topk_indices
 
 __all__ = [
+    "SELECTORS",
+    "Layout",
     "ResidualMemory",
+    "Selector",
     "TopkWorkspace",
     "k_for",
+    "make_selector",
     "mstopk_indices",
     "pack",
     "topk_indices",

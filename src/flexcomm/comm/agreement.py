@@ -1,0 +1,41 @@
+"""Agreement: small collectives after which every rank holds the same values.
+
+Every decision flexcomm takes (which exchange, which density, which index source) must
+be the same on every rank, or the ranks would issue collectives of different sizes or in
+a different order: a hang or garbage, never a clear error.  Decisions are therefore
+taken only from inputs every rank holds identically, and these functions produce them:
+
+* :func:`agree_on_config` compares every rank's configuration fingerprint once, at the
+  first bucket, and raises on every rank naming the difference;
+* :func:`allreduce_floats` combines a list of floats element-wise over ranks (sum of gain
+  energies, min or max of measured times) so that every rank gets the same list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def allreduce_floats(values: Sequence[float], group: dist.ProcessGroup | None, op: dist.ReduceOp) -> list[float]:
+    """Element-wise ``op`` (SUM, MIN or MAX) of every rank's list, in fp64; the same list on all ranks."""
+    combined = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(combined, op=op, group=group)
+    return combined.tolist()
+
+
+def agree_on_config(fingerprint: dict[str, object], group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank, naming the differences, unless all ranks hold the same ``fingerprint``.
+
+    Ranks configured differently would exchange messages of different sizes or in a
+    different order: a hang or garbage, never a clear error.  One allgather at start-up
+    turns that into a message.
+    """
+    gathered: list[dict[str, object] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fingerprint, group=group)
+    differing = sorted({key for fp in gathered for key in set(fp) | set(fingerprint) if fp.get(key) != fingerprint.get(key)})
+    if differing:
+        detail = "; ".join(f"{key}: " + ", ".join(f"rank {r}={fp.get(key)!r}" for r, fp in enumerate(gathered)) for key in differing)
+        raise ValueError(f"flexcomm configuration differs across ranks: {detail}")

@@ -1,0 +1,44 @@
+"""Probes: timing collectives so that every rank agrees on the result.
+
+A rank's own clock says little about a collective: a broadcast's root returns once its
+data sits in socket buffers, and a rank that arrives first also times its wait for the
+last one.  So a probe lines the ranks up with a tiny allreduce before each timed
+collective and takes the **max** over ranks (one :func:`allreduce_floats`): the
+collective is done when its slowest rank is, and a broadcast's root is never the max.
+Every rank then feeds the same observations, in the same order, to its estimator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from time import perf_counter
+
+import torch
+import torch.distributed as dist
+
+from flexcomm.comm.agreement import allreduce_floats
+from flexcomm.comm.collectives import allgather, broadcast_from
+from flexcomm.cost import Observation
+
+
+def probe_collectives(sizes: Sequence[int], group: dist.ProcessGroup | None) -> list[Observation]:
+    """Time allreduce, allgather and broadcast at each size in bytes; identical result on all ranks."""
+    world = dist.get_world_size(group)
+    kinds = ("allreduce", "allgather", "broadcast")
+    plan = [(kind, size) for size in sizes for kind in kinds]
+    local = [_timed(kind, size, group) for kind, size in plan]
+    merged = allreduce_floats(local, group, dist.ReduceOp.MAX)
+    return [Observation(kind, size, world, seconds) for (kind, size), seconds in zip(plan, merged)]
+
+
+def _timed(kind: str, nbytes: int, group: dist.ProcessGroup | None) -> float:
+    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    dist.all_reduce(torch.zeros(1), group=group)  # line the ranks up
+    started = perf_counter()
+    if kind == "allreduce":
+        dist.all_reduce(payload, group=group)
+    elif kind == "allgather":
+        allgather(payload, group).wait()
+    else:
+        broadcast_from(payload, 0, group)
+    return perf_counter() - started

@@ -1,0 +1,364 @@
+"""FlexState: the options, the step protocol and the checkpoint state of the hook.
+
+One table (:data:`COMPRESSOR_TABLE`) maps every compressor name to its roles:
+
+=============  ==========  ==============  =========================================
+compressor     selector    leader policy   exchange
+=============  ==========  ==============  =========================================
+``dense``      --          --              ``dense``: allreduce of ``a_i``
+``agtopk``     ``topk``    --              ``agtopk``: allgather of (values, indices)
+``mstopk``     ``mstopk``  --              ``agtopk``
+``artopk-star``  ``topk``  ``round-robin``  ``artopk``: broadcast indices, allreduce values
+``artopk-var``   ``topk``  ``statistic``    ``artopk``
+``flex``       ``topk``    ``round-robin``  chosen per bucket by the cost model
+=============  ==========  ==============  =========================================
+
+STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
+
+The step protocol, per DDP bucket (see :meth:`FlexState.prepare`): at the first bucket
+ever, every rank compares a configuration fingerprint; at a step's first bucket the
+planner's agreement points run; the last bucket advances the step; each bucket is
+compensated (``a_i = g_i + e_i``), planned (exchange, density) and handed to its exchange
+as a :class:`~flexcomm.exchange.BucketJob`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexcomm.comm import agree_on_config
+from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, k_for, make_selector
+from flexcomm.compress.mstopk import DEFAULT_ROUNDS
+from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
+from flexcomm.cost import Observation
+from flexcomm.exchange import BucketJob, LeaderPolicy, make_leader_policy
+from flexcomm.exchange.leaders import STATISTICS
+from flexcomm.version import __version__
+
+_STATE_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class Compressor:
+    """A compressor's roles: selector, leader policy, exchange (``None``: not used / chosen per bucket)."""
+
+    selector: str | None
+    leader: str | None
+    exchange: str | None
+
+
+COMPRESSOR_TABLE: dict[str, Compressor] = {
+    "dense": Compressor(selector=None, leader=None, exchange="dense"),
+    "agtopk": Compressor(selector="topk", leader=None, exchange="agtopk"),
+    "mstopk": Compressor(selector="mstopk", leader=None, exchange="agtopk"),
+    "artopk-star": Compressor(selector="topk", leader="round-robin", exchange="artopk"),
+    "artopk-var": Compressor(selector="topk", leader="statistic", exchange="artopk"),
+    "flex": Compressor(selector="topk", leader="round-robin", exchange=None),
+}
+COMPRESSORS = tuple(COMPRESSOR_TABLE)
+VAR_STATISTICS = STATISTICS
+
+
+@dataclass
+class BucketRecord:
+    """What one bucket's exchange did at one step.
+
+    ``bytes_sent`` is the payload of the collectives this rank took part in (what the
+    backend was handed), not wire bytes, which depend on the collective's algorithm.
+    ``t_compress`` is all local work of the compressed exchange (selection, gathering the
+    values, residual update, writing the result back); ``t_exchange`` runs from the first
+    collective's launch to the last one's completion.
+    ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.  ``predicted`` is the
+    cost model's time for the chosen exchange (``flex`` only, else NaN).
+    """
+
+    step: int
+    bucket: int
+    numel: int
+    exchange: str
+    k: int
+    leader: int
+    t_compress: float
+    t_exchange: float
+    bytes_sent: int
+    gain: float
+    finite: bool = True
+    predicted: float = math.nan
+    density: float = math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FlexOptions:
+    """The validated settings of a :class:`FlexState` (see its docstring for each)."""
+
+    compressor: str = "artopk-star"
+    density: float | str = 0.01
+    warmup_steps: int = 0
+    mstopk_rounds: int = DEFAULT_ROUNDS
+    var_statistic: str = "norm"
+    var_smoothing: float = 0.9
+    flex_interval: int = 10
+    probe_every: int = 200
+    probe_sizes: tuple[int, ...] = (65536, 1 << 20)
+    forgetting: float = 0.9
+    max_records: int = 100_000
+
+    def __post_init__(self) -> None:
+        _check_choice("compressor", self.compressor, COMPRESSORS)
+        if self.density != "auto":
+            _check_fraction("density", self.density, low_open=True, high_open=False, extra=" or 'auto'")
+        for name, minimum in (("warmup_steps", 0), ("mstopk_rounds", 1), ("flex_interval", 1), ("probe_every", 1), ("max_records", 1)):
+            _check_int(name, getattr(self, name), minimum)
+        _check_choice("var_statistic", self.var_statistic, VAR_STATISTICS)
+        _check_fraction("var_smoothing", self.var_smoothing, low_open=False, high_open=True)
+        sizes = self.probe_sizes
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 4 for b in sizes):
+            raise ValueError(f"probe_sizes must be a non-empty sequence of ints >= 4 (bytes), got {sizes!r}")
+        object.__setattr__(self, "probe_sizes", tuple(sizes))
+        _check_fraction("forgetting", self.forgetting, low_open=True, high_open=False)
+
+    @property
+    def roles(self) -> Compressor:
+        return COMPRESSOR_TABLE[self.compressor]
+
+
+class FlexState:
+    """Everything the hook keeps between calls: configuration, residuals, counters, records.
+
+    Args:
+        process_group: the group to communicate over (``None``: the default group).
+        compressor: one of :data:`COMPRESSORS`.
+        density: fraction of each bucket's elements sent, in (0, 1], or ``"auto"``.
+        controller: the :class:`DensityController` of ``density="auto"`` (default settings if None).
+        warmup_steps: exchange dense for the first this many steps.
+        mstopk_rounds: threshold-search rounds of ``mstopk``.
+        var_statistic: ``artopk-var``'s statistic, ``"norm"`` (the authors') or ``"variance"``.
+        var_smoothing: EWMA factor ``s <- smoothing * s + (1 - smoothing) * x``, in [0, 1).
+        flex_interval: ``flex`` agrees on measured times and re-decides every this many steps.
+        probe_every: ``flex`` re-probes the collectives every this many steps.
+        probe_sizes: message sizes in bytes the probe times.  Keep them above a shaped link's
+            burst (tbf lets a few hundred KB through faster than the rate).
+        forgetting: the (alpha, beta) estimator's forgetting factor per sample, in (0, 1]:
+            lower follows a changing network faster, higher averages out more noise.
+        max_records: how many :class:`BucketRecord` are kept until :meth:`drain_records`.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        compressor: str = "artopk-star",
+        density: float | str = 0.01,
+        controller: DensityController | None = None,
+        warmup_steps: int = 0,
+        mstopk_rounds: int = DEFAULT_ROUNDS,
+        var_statistic: str = "norm",
+        var_smoothing: float = 0.9,
+        flex_interval: int = 10,
+        probe_every: int = 200,
+        probe_sizes: tuple[int, ...] = (65536, 1 << 20),
+        forgetting: float = 0.9,
+        max_records: int = 100_000,
+    ) -> None:
+        self.options = options = FlexOptions(
+            compressor, density, warmup_steps, mstopk_rounds, var_statistic, var_smoothing,
+            flex_interval, probe_every, probe_sizes, forgetting, max_records,
+        )
+        if density == "auto":
+            controller = controller or DensityController()
+        elif controller is not None:
+            raise ValueError("controller is only used with density='auto'")
+        roles = options.roles
+        self.process_group = process_group
+        self.planner = StepPlanner(
+            exchange=roles.exchange, density=None if controller else float(density), controller=controller,
+            warmup_steps=warmup_steps, flex_interval=flex_interval, probe_every=probe_every,
+            probe_sizes=options.probe_sizes, forgetting=forgetting, group=process_group,
+        )
+        self.selector = make_selector(roles.selector, mstopk_rounds) if roles.selector else None
+        self.leaders: LeaderPolicy | None = make_leader_policy(roles.leader, var_statistic, var_smoothing) if roles.leader else None
+        self.step = 0
+        self.memory = ResidualMemory()
+        self.records: deque[BucketRecord] = deque(maxlen=max_records)
+        self._workspaces: dict[int, TopkWorkspace] = {}
+        self._in_step = False
+        self._config_checked = False
+        self._param_names: dict[int, str] | None = None
+
+    @property
+    def compressor(self) -> str:
+        return self.options.compressor
+
+    @property
+    def density(self) -> float:
+        """The density in force now (the controller's choice under ``density="auto"``)."""
+        return self.planner.density
+
+    @property
+    def chooser(self) -> ExchangeChooser:
+        """``flex``'s exchange chooser (its cost estimate and choices)."""
+        return self.planner.chooser
+
+    @property
+    def controller(self) -> DensityController | None:
+        """The density controller of ``density="auto"`` (else ``None``)."""
+        return self.planner.controller
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    @property
+    def leader_counts(self) -> list[int]:
+        """How many bucket exchanges each rank was AR-Topk's index source for."""
+        counts = self.leaders.counts if self.leaders else []
+        return counts + [0] * (self.world_size - len(counts))
+
+    def drain_records(self) -> list[BucketRecord]:
+        """Return and forget the records collected since the last call."""
+        drained = list(self.records)
+        self.records.clear()
+        return drained
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals, counters and smoothed statistics of this rank, for a checkpoint."""
+        return {
+            "format": _STATE_FORMAT,
+            "compressor": self.compressor,
+            "density": self.density,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "step": self.step,
+            "memory": self.memory.state_dict(),
+            "leaders": self.leaders.state_dict() if self.leaders else None,
+            "planner": self.planner.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses another rank's state, compressor or world size."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unsupported FlexState checkpoint format {state.get('format')!r} (this version writes {_STATE_FORMAT})")
+        for key, mine in (("compressor", self.compressor), ("world_size", self.world_size)):
+            if state[key] != mine:
+                raise ValueError(f"checkpoint was written with {key}={state[key]!r}, this run has {key}={mine!r}")
+        if state["rank"] != self.rank:
+            raise ValueError(
+                f"this FlexState checkpoint belongs to rank {state['rank']} of {state['world_size']}, but it is being "
+                f"loaded on rank {self.rank}: residuals are per rank, so every rank must load the state it saved "
+                "(save one state_dict per rank)"
+            )
+        self.planner.load_state_dict(state["planner"])
+        self.step = int(state["step"])
+        self.memory.load_state_dict(state["memory"])
+        if self.leaders:
+            self.leaders.load_state_dict(state["leaders"])
+
+    # ------------------------------------------------------------------ the step protocol
+
+    def bind_parameters(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        """Name the model's parameters, so residuals are kept per parameter (see :func:`flexcomm.register`)."""
+        if self.step:
+            raise RuntimeError("bind_parameters must be called before the first step")
+        self._param_names = {id(p): name for name, p in named_parameters}
+        self.memory.named = True
+
+    def fingerprint(self, first_bucket: torch.Tensor) -> dict[str, object]:
+        """Everything that must be equal on all ranks for their exchanges to match."""
+        o = self.options
+        return {
+            "flexcomm": __version__,
+            "compressor": o.compressor,
+            **self.planner.fingerprint(),
+            "mstopk_rounds": o.mstopk_rounds,
+            "var": (o.var_statistic, o.var_smoothing),
+            "flex": (o.flex_interval, o.probe_every, o.probe_sizes, o.forgetting),
+            "first_bucket": (first_bucket.numel(), str(first_bucket.dtype)),
+        }
+
+    def advance(self, last_bucket: bool) -> None:
+        """Count a bucket handed over; the step's last bucket ends the step."""
+        if last_bucket:
+            self.step += 1
+            self._in_step = False
+
+    def prepare(self, bucket: dist.GradBucket) -> BucketJob:
+        """The step protocol for one bucket of a world of two or more ranks: returns its job."""
+        grad = bucket.buffer()
+        step = self.step
+        if not self._config_checked:
+            agree_on_config(self.fingerprint(grad), self.process_group)
+            self._config_checked = True
+        if not self._in_step:
+            self.planner.begin_step(step)
+            self._in_step = True
+        self.advance(bucket.is_last())
+        index, layout = bucket.index(), self._layout(bucket)
+        accumulated = self.memory.compensate(index, layout, grad)
+        workspace = self._workspaces.setdefault(index, TopkWorkspace())
+        if self.planner.measuring_gain:
+            self.planner.observe_gain(index, accumulated, workspace)
+        plan = self.planner.plan(index, accumulated.numel(), accumulated.element_size(), step)
+        numel = accumulated.numel()
+        k = numel if plan.exchange == "dense" else k_for(numel, plan.density)
+        record = BucketRecord(
+            step=step, bucket=index, numel=numel, exchange=plan.exchange, k=k, leader=-1, t_compress=0.0,
+            t_exchange=0.0, bytes_sent=0, gain=math.nan, predicted=plan.predicted, density=plan.density,
+        )
+        self.records.append(record)
+        return BucketJob(
+            accumulated=accumulated, index=index, layout=layout, k=k, step=step, group=self.process_group,
+            world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace, record=record,
+            measured=self._measured, selector=self.selector, leaders=self.leaders,
+        )
+
+    def _measured(self, record: BucketRecord, kind: str, nbytes: int, seconds: float) -> None:
+        t_compress = None if record.exchange == "dense" else record.t_compress
+        self.planner.observe_exchange(record.step, record.bucket, Observation(kind, nbytes, self.world_size, seconds), t_compress)
+
+    def _layout(self, bucket: dist.GradBucket) -> Layout:
+        params = bucket.parameters()
+        if self._param_names is None:
+            return tuple((str(tuple(p.shape)), p.numel()) for p in params)
+        return tuple((self._param_names[id(p)], p.numel()) for p in params)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+def _check_fraction(name: str, value: object, low_open: bool, high_open: bool, extra: str = "") -> None:
+    """``value`` in the unit interval, each end open or closed as said."""
+    _check_number(name, value)
+    low_ok = value > 0.0 if low_open else value >= 0.0
+    high_ok = value < 1.0 if high_open else value <= 1.0
+    if not (low_ok and high_ok):
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        raise ValueError(f"{name} must be in {interval}{extra}, got {value}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

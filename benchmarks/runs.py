@@ -86,6 +86,9 @@ class Spec:
     dirichlet_alpha: float | None = None
     steps: int | None = None  # default: MODELS[model]["steps"] (STEPS_4 on 4 ranks)
     net: str | None = None  # default: MODELS[model]["net"]
+    seed: int = SEED
+    auto_every: int = AUTO_EVERY  # --auto-every of density="auto" (also its ramp's steps per candidate)
+    auto_warmup: int | None = None  # --auto-warmup; default auto_warmup(steps)
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # -- resolved settings -----------------------------------------------------------------------
@@ -120,7 +123,7 @@ class Spec:
             "--nproc", str(self.nproc), "--net", self.schedule,
             "--steps", str(self.n_steps), "--train-subset", str(TRAIN_SUBSET),
             "--test-subset", str(TEST_SUBSET), "--eval-every", str(EVAL_EVERY),
-            "--seed", str(SEED), "--checkpoint-every", "0", "--no-report",
+            "--seed", str(self.seed), "--checkpoint-every", "0", "--no-report",
             "--compressor", self.compressor,
         ]
         if self.partition != "iid":
@@ -128,7 +131,8 @@ class Spec:
         if self.density is not None and self.compressor not in ("powersgd", "fp16"):
             a += ["--density", self.density]
         if self.density == "auto":
-            a += ["--auto-warmup", str(auto_warmup(self.n_steps)), "--auto-every", str(AUTO_EVERY)]
+            warmup = auto_warmup(self.n_steps) if self.auto_warmup is None else self.auto_warmup
+            a += ["--auto-warmup", str(warmup), "--auto-every", str(self.auto_every)]
         if self.compressor == "powersgd":
             a += ["--powersgd-rank", str(self.powersgd_rank or 1)]
         return a
@@ -138,7 +142,8 @@ class Spec:
         digest = hashlib.sha1(" ".join(self.args()).encode()).hexdigest()[:6]
         part = "iid" if self.partition == "iid" else f"dir{self.dirichlet_alpha:g}"
         method = self.method.replace(" ", "-d") if self.density not in (None, "auto") else self.method.replace(" ", "-")
-        return f"{self.model}-n{self.nproc}-{part}-{method}-{digest}"
+        seed = "" if self.seed == SEED else f"-s{self.seed}"
+        return f"{self.model}-n{self.nproc}-{part}-{method}{seed}-{digest}"
 
     @property
     def dir(self) -> Path:

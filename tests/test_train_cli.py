@@ -1,6 +1,6 @@
 """flexcomm-train's command line: every bad input is refused, clearly, before any rank starts.
 
-All in-process and cheap: ``launch`` is replaced by a function that fails the test, so
+All in-process and cheap: ``run_job`` is replaced by a function that fails the test, so
 reaching it means a rank would have been started.
 """
 
@@ -20,10 +20,10 @@ SMALL = ["--dataset", "synthetic", "--train-subset", "256", "--test-subset", "64
 
 @pytest.fixture(autouse=True)
 def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(cfg: TrainConfig, run_dir: Path) -> None:
+    def refuse(cfg: TrainConfig, run_dir: Path, max_restarts: int = 0) -> None:
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr(cli, "launch", refuse)
+    monkeypatch.setattr(cli, "run_job", refuse)
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -61,6 +61,7 @@ def out(tmp_path: Path) -> list[str]:
         (["--compressor", "fp16", "--warmup-steps", "5"], "--warmup-steps does not apply to --compressor fp16"),
         (["--dataset", "npz"], "--dataset npz needs --data-dir"),
         (["--resume"], "--resume needs --out DIR"),
+        (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
     ],
 )
 def test_bad_option_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

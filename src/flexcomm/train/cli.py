@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=_float_in(0.0, math.inf), default=_DEFAULTS.timeout, metavar="SECONDS",
                      help="process-group timeout: a rank stuck this long in a collective fails the job "
                           "(default: %(default)s)")
+    run.add_argument("--max-restarts", type=_int_at_least(0), default=0, metavar="N",
+                     help="when a rank fails, stop every rank and start the group again, up to N times; the ranks "
+                          "resume from the last checkpoint (see --checkpoint-every) (default: %(default)s)")
 
     train = parser.add_argument_group("training")
     length = train.add_mutually_exclusive_group()
@@ -353,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         print(note)
     run_dir = Path(str(cfg.out))
     config = cfg.save(run_dir)
-    if build_parser().parse_known_args(argv)[0].prepare_only:
+    launcher = build_parser().parse_known_args(argv)[0]
+    if launcher.prepare_only:
         print(f"flexcomm-train: wrote {config}; on every node (with {run_dir} on a shared file system):\n"
               f"  torchrun --nnodes NODES --nproc-per-node PER_NODE --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
               f"--rdzv-id JOB --max-restarts 3 -m flexcomm.train.worker {config}")
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     network = "plain loopback" if cfg.net == "none" else f"emulated network {cfg.net}"
     print(f"flexcomm-train: {cfg.nproc} rank(s) over {network}; run directory {run_dir}", flush=True)
     try:
-        run_job(cfg, run_dir)
+        run_job(cfg, run_dir, max_restarts=launcher.max_restarts)
     except RankFailed as exc:
         raise SystemExit(f"flexcomm-train: {exc}") from None
     except KeyboardInterrupt:

@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/latency.py            # ~3-4 minutes
     sudo .venv/bin/python benchmarks/latency.py --quick    # fewer repetitions
-    sudo .venv/bin/python benchmarks/latency.py --quick --no-throughput   # parts 1 and 3 only, ~20 s
+    sudo .venv/bin/python benchmarks/latency.py --quick --no-throughput   # parts 1 and 3 only, ~1 minute
 
 Writes ``benchmarks/results/latency_*.csv`` and ``latency.png``. Two emulated
 hosts run one gloo rank each (torch.distributed env:// rendezvous at
@@ -43,10 +43,9 @@ by several percent between runs.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import common
+from flexcomm.launch import RankProcess, start_ranks, stop_ranks
+from flexcomm.netem import EmulatedCluster, netem_available
+
 PORT = 29651
 MB40 = 10_000_000  # floats: 40 MB
 
@@ -144,46 +146,50 @@ def worker() -> None:
 # Driver
 # --------------------------------------------------------------------------
 class Ranks:
-    """Two ranks in a cluster, spoken to over pipes."""
+    """Two ranks in a cluster (started by :func:`flexcomm.launch.start_ranks`), spoken to over pipes.
+
+    A request is one line on every rank's stdin; each rank answers with one ``@@{json}`` line.
+    """
 
     def __init__(self, cluster: Any) -> None:
-        env = {"MASTER_ADDR": cluster.host_addr(0), "MASTER_PORT": str(PORT), "WORLD_SIZE": "2",
-               "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}  # fmt: skip
-        self.procs = [
-            cluster.popen(
-                r, [sys.executable, os.path.abspath(__file__), "--worker"], env={**env, "RANK": str(r)},
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-            )  # fmt: skip
-            for r in range(2)
-        ]
-        for p in self.procs:
-            self._read(p)
+        self.replies: list[queue.Queue[Any]] = [queue.Queue(), queue.Queue()]
+        self.ranks: list[RankProcess] = start_ranks(
+            [sys.executable, os.path.abspath(__file__), "--worker"], 2, cluster=cluster, port=PORT,
+            output="capture", on_line=self._on_line, stdin=subprocess.PIPE)  # fmt: skip
+        for rank in range(2):
+            self._read(rank)
 
-    @staticmethod
-    def _read(p: subprocess.Popen[str]) -> Any:
-        assert p.stdout is not None
-        for line in p.stdout:
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-        raise RuntimeError(f"rank exited (rc={p.wait()})")
+    def _on_line(self, rank: int, line: str) -> None:
+        if line.startswith("@@"):
+            self.replies[rank].put(json.loads(line[2:]))
+
+    def _read(self, rank: int) -> Any:
+        while True:
+            try:
+                return self.replies[rank].get(timeout=1.0)
+            except queue.Empty:
+                code = self.ranks[rank].proc.poll()
+                if code is not None and self.replies[rank].empty():
+                    raise RuntimeError(f"rank {rank} exited (rc={code}): {self.ranks[rank].stderr_tail()}") from None
 
     def ask(self, line: str) -> list[Any]:
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.write(line + "\n")
-            p.stdin.flush()
-        return [self._read(p) for p in self.procs]
+        for r in self.ranks:
+            assert r.proc.stdin is not None
+            r.proc.stdin.write(line + "\n")
+            r.proc.stdin.flush()
+        return [self._read(rank) for rank in range(2)]
 
     def close(self) -> None:
-        for p in self.procs:
+        for r in self.ranks:
             try:
-                assert p.stdin is not None
-                p.stdin.write("quit\n")
-                p.stdin.flush()
+                assert r.proc.stdin is not None
+                r.proc.stdin.write("quit\n")
+                r.proc.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass
-        for p in self.procs:
-            p.wait(30)
+        for r in self.ranks:
+            r.proc.wait(30)
+        stop_ranks(self.ranks)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -320,20 +326,8 @@ def change_latency(cluster: Any, ranks: Ranks, base_ms: float, k: float, quick: 
     return rows, [ops, changes]
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def plot(acc: list[dict[str, Any]], tput: list[dict[str, Any]], trace: list[Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = common.figure(1, 3, figsize=(16, 4.5), squeeze=True)
     ax = axes[0]
     ds = [r["delay_ms"] for r in acc]
     ax.plot(ds, [r["median_ms"] for r in acc], "o", label="measured median")
@@ -367,16 +361,13 @@ def plot(acc: list[dict[str, Any]], tput: list[dict[str, Any]], trace: list[Any]
     ax.set_xlabel("time (s); red = set_delay call")
     ax.set_ylabel("allreduce (ms)")
     ax.set_title("delay changes 2 <-> 20 ms mid-run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save(fig, path, dpi=110)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser = common.argument_parser(__doc__, "fewer repetitions")
+    parser.add_argument("--worker", action="store_true", help="(run one rank; used by the driver)")
     parser.add_argument("--delays", default="1,5,16,32", help="one-way delays (ms) for the accuracy part")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-throughput", action="store_true", help="skip part 2 (and the kernel-bridge throughput)")
     parser.add_argument("--rank-priority", type=int, default=5,
                         help="SCHED_FIFO priority of the ranks during the 1-float parts (0 = normal scheduling): "
@@ -386,14 +377,11 @@ def main() -> int:
         worker()
         return 0
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from flexcomm.netem import EmulatedCluster, netem_available
-
     ok, reason = netem_available()
     if not ok:
         print(f"skipped: {reason}")
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     budget = 2.0 if args.quick else 4.0
     delays = [float(x) for x in args.delays.split(",")]
     t_start = time.monotonic()
@@ -436,12 +424,12 @@ def main() -> int:
         stats = cluster.switch_stats()
         ranks.close()
     print(f"switch totals: {json.dumps({k: v for k, v in stats.items() if k != 'ports'})}", flush=True)
-    write_csv(args.out / "latency_accuracy.csv", acc)
+    common.write_csv(args.out_dir / "latency_accuracy.csv", acc)
     if tput:
-        write_csv(args.out / "latency_throughput.csv", tput)
-    write_csv(args.out / "latency_change.csv", chg)
-    plot(acc, tput, trace, args.out / "latency.png")
-    print(f"wrote {args.out}/latency_{{accuracy,throughput,change}}.csv and latency.png in {time.monotonic() - t_start:.0f} s")
+        common.write_csv(args.out_dir / "latency_throughput.csv", tput)
+    common.write_csv(args.out_dir / "latency_change.csv", chg)
+    plot(acc, tput, trace, args.out_dir / "latency.png")
+    print(f"wrote {args.out_dir}/latency_{{accuracy,throughput,change}}.csv and latency.png in {time.monotonic() - t_start:.0f} s")
     return 0
 
 

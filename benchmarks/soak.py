@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flexcomm.launch import rank_pids  # noqa: E402
+from flexcomm.train.records import read_records  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
@@ -92,8 +93,7 @@ def main() -> None:
 
 
 def _steps(run_dir: Path) -> int:
-    path = run_dir / "records.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(read_records(run_dir))
 
 
 def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashed: bool, output: str, wall: float) -> dict:

@@ -39,7 +39,6 @@ Writes ``compress_overhead.csv``, ``compress_overhead.png`` and ``compress_overh
 from __future__ import annotations
 
 import argparse
-import csv
 import platform
 import shlex
 import statistics
@@ -54,6 +53,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import write_csv  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from flexcomm.compress import TopkWorkspace, k_for, mstopk_indices, pack, topk_indices  # noqa: E402
@@ -202,13 +202,6 @@ def summarise(times: dict[str, list[float]], meta: dict[str, object]) -> list[di
     return rows
 
 
-def write_csv(rows: Sequence[dict[str, object]], path: Path) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def ratio_table(rows: Sequence[dict[str, object]]) -> str:
     """Median time / median floor, one line per distribution/size/density, one column per method."""
     shown = [m for m in METHODS if m != "floor"]
@@ -294,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     rows.extend(summarise(times, meta))
                 del x
 
-    write_csv(rows, args.out_dir / "compress_overhead.csv")
+    write_csv(args.out_dir / "compress_overhead.csv", rows)
     plot(rows, sizes, densities, args.out_dir / "compress_overhead.png")
     report = [
         f"command: {command}",

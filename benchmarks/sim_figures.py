@@ -8,7 +8,7 @@ Writes
   under gloo's algorithms (ring allreduce/allgather, binomial broadcast) and under the paper
   authors' tree model (tree allreduce, recursive-doubling allgather);
 * ``sim_fig1b_intra_vs_inter.{csv,png}``: dense allreduce latency per step, 8 GPUs in one
-  node vs 8 nodes with 1 GPU each over 10 Gbit/s (link assumptions in flexcomm.sim.cluster);
+  node vs 8 nodes with 1 GPU each over 10 Gbit/s (link assumptions in flexcomm.sim.comm_time);
 and prints the key ratios.
 """
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # the launcher runs without the emulator; only the type is ne
 __all__ = [
     "EMULATED_PORT", "OUTPUT_MODES", "RESTART_COUNT_ENV", "CompletedRank", "Explain", "RankFailed", "RankProcess",
     "RanksTimedOut", "describe_exit", "free_port", "rank_env", "rank_pids", "run_ranks", "start_ranks",
-    "stop_ranks", "supervise",
+    "stop_processes", "stop_ranks", "supervise",
 ]  # fmt: skip
 
 #: Rank 0's port inside an emulated cluster (plus the restart count: one port per attempt).
@@ -245,7 +245,12 @@ def _with_readers(rank: int, proc: subprocess.Popen[Any], output: str, on_line: 
 
 def stop_ranks(ranks: Sequence[RankProcess], grace_s: float = _GRACE_S) -> None:
     """SIGTERM every live rank, SIGKILL whatever is still alive after ``grace_s``."""
-    alive = [r.proc for r in ranks if r.proc.poll() is None]
+    stop_processes([r.proc for r in ranks], grace_s)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], grace_s: float = _GRACE_S) -> None:
+    """SIGTERM every live process, SIGKILL whatever is still alive after ``grace_s``."""
+    alive = [proc for proc in procs if proc.poll() is None]
     for proc in alive:
         proc.terminate()
     deadline = time.monotonic() + grace_s

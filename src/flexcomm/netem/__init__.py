@@ -9,7 +9,8 @@ phase boundary while the job runs. Call ``netem_available()`` to find
 out (and say why not) before trying.
 """
 
-from .cluster import DELAY_BACKENDS, MAX_HOSTS, SUBNET, EmulatedCluster, cleanup_stale
+from .cleanup import cleanup_stale
+from .cluster import DELAY_BACKENDS, EmulatedCluster
 from .commands import (
     NetemCommandError,
     NetemUnavailable,
@@ -28,6 +29,7 @@ from .schedule import (
     parse_schedule,
     phase_at,
 )
+from .topology import MAX_HOSTS, SUBNET
 
 __all__ = [
     "EmulatedCluster",

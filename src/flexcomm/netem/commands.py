@@ -27,6 +27,7 @@ __all__ = [
     "tbf_burst_bytes",
     "tbf_args",
     "netem_delay_args",
+    "absolute_program",
     "TBF_LATENCY_MS",
 ]
 
@@ -71,10 +72,10 @@ def tool_path(name: str) -> str:
     return path
 
 
-def run_cmd(argv: Sequence[str], timeout: float = 30.0) -> str:
-    """Run ``argv``; return stdout, raise NetemCommandError (with stderr) on failure."""
+def run_cmd(argv: Sequence[str], timeout: float = 30.0, stdin: str | None = None) -> str:
+    """Run ``argv`` (fed ``stdin``); return stdout, raise NetemCommandError (with stderr) on failure."""
     try:
-        done = subprocess.run(list(argv), check=True, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(argv), check=True, capture_output=True, text=True, timeout=timeout, input=stdin)
     except subprocess.CalledProcessError as exc:
         raise NetemCommandError(argv, exc.returncode, exc.stderr or "") from None
     except subprocess.TimeoutExpired as exc:
@@ -155,6 +156,25 @@ def tbf_args(rate_bps: float) -> list[str]:
     ]
 
 
-def netem_delay_args(delay_s: float) -> list[str]:
-    """The ``netem delay ...`` tail of a tc command (microsecond resolution)."""
-    return ["netem", "delay", f"{max(0, int(round(delay_s * 1e6)))}us"]
+def netem_delay_args(delay_s: float, jitter_s: float = 0.0) -> list[str]:
+    """``netem delay D [J]`` (microseconds); netem's jitter is uniform in D +- J by default."""
+    args = ["netem", "delay", f"{max(0, int(round(delay_s * 1e6)))}us"]
+    if jitter_s > 0:
+        args.append(f"{max(1, int(round(jitter_s * 1e6)))}us")
+    return args
+
+
+def absolute_program(program: str) -> str:
+    """Make argv[0] absolute: ``ip netns exec`` failed with a relative interpreter path.
+
+    ``os.path.abspath`` (not ``realpath``) keeps a venv's ``bin/python`` symlink intact,
+    which is how Python finds the venv.
+    """
+    if os.path.isabs(program):
+        return program
+    if os.sep in program:
+        return os.path.abspath(program)
+    found = shutil.which(program)
+    if found is None:
+        raise FileNotFoundError(f"program {program!r} not found on PATH")
+    return os.path.abspath(found)

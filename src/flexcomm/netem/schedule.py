@@ -48,6 +48,7 @@ __all__ = [
     "parse_schedule",
     "format_rate",
     "phase_at",
+    "describe_phases",
 ]
 
 SCHEDULE_FORMAT = (
@@ -213,3 +214,17 @@ def phase_at(phases: list[Phase], elapsed_s: float) -> Phase | None:
             return phase
         t += phase.duration_s
     return phases[-1]
+
+
+def describe_phases(phases: list[Phase]) -> str:
+    """Human-readable schedule, for logs: ``100 Mbit/s, delay 5ms for 30s; 1000 Mbit/s until the end``."""
+    if not phases:
+        return "no shaping"
+    parts = []
+    for p in phases:
+        dur = "until the end" if p.duration_s is None else f"for {p.duration_s:g}s"
+        delay = f", delay {p.delay_s * 1e3:g}ms" if p.delay_s else ""
+        if p.jitter_s:
+            delay += f" ~{p.jitter_s * 1e3:g}ms jitter"
+        parts.append(f"{p.rate_bps / 1e6:g} Mbit/s{delay} {dur}")
+    return "; ".join(parts)

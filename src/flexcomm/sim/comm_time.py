@@ -1,4 +1,4 @@
-"""Cluster simulator: per-step communication time for ``N`` far beyond this machine.
+"""Simulated communication time per training step, for ``N`` ranks far beyond this machine.
 
 Driven entirely by :mod:`flexcomm.cost.model`.  Gradients are bucketed like PyTorch DDP
 (default ``bucket_cap_mb=25``, i.e. 25 MiB, with a first bucket of

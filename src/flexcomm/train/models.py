@@ -1,11 +1,14 @@
 """Image-classification models for the training app.
 
-Three architectures sized for small images (28x28 Fashion-MNIST, 32x32 CIFAR-like):
+Four architectures sized for small images (28x28 Fashion-MNIST, 32x32 CIFAR-like):
 
 * :func:`resnet18` -- compute-heavy, ~11M parameters at the standard width.
 * :func:`alexnet` -- communication-heavy: large fully connected layers put tens of
   millions of parameters on the wire at ``fc_width=4096``.
 * :func:`vit` -- a small Vision Transformer.
+* :func:`mlp` -- the most communication-bound: two wide hidden layers, one
+  multiply-add per parameter and sample, so the gradient exchange dominates a step
+  (the demo's model).
 
 :func:`build_model` selects one by name and applies a width multiplier so CPU runs
 can use scaled-down versions. Initialisation only uses torch's global RNG, so models
@@ -22,11 +25,12 @@ __all__ = [
     "alexnet",
     "build_model",
     "count_parameters",
+    "mlp",
     "resnet18",
     "vit",
 ]
 
-MODEL_NAMES: tuple[str, ...] = ("resnet18", "alexnet", "vit")
+MODEL_NAMES: tuple[str, ...] = ("resnet18", "alexnet", "vit", "mlp")
 
 
 def _check_positive(**values: int) -> None:
@@ -264,6 +268,22 @@ def vit(
     )
 
 
+# ---------------------------------------------------------------------------- MLP
+
+
+def mlp(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, hidden: int = 1024) -> nn.Sequential:
+    """Flatten, two hidden ``hidden``-unit layers with ReLU, then the classifier."""
+    _check_positive(num_classes=num_classes, in_channels=in_channels, image_size=image_size, hidden=hidden)
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_channels * image_size * image_size, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, num_classes),
+    )
+
+
 # ---------------------------------------------------------------------- factory
 
 
@@ -279,12 +299,12 @@ def build_model(
     image_size: int,
     width: float | None = None,
 ) -> nn.Module:
-    """Build ``"resnet18"``, ``"alexnet"`` or ``"vit"`` (case-insensitive).
+    """Build ``"resnet18"``, ``"alexnet"``, ``"vit"`` or ``"mlp"`` (case-insensitive).
 
     ``width`` multiplies every layer width of the default configuration
     (``None`` = 1.0): ResNet first-stage channels 64, AlexNet conv width 64 and FC
     width 4096, ViT ``dim`` 128 (kept a multiple of the 4 heads) and ``mlp_dim``
-    256. Depths are unchanged. E.g. ``width=0.25`` gives ResNet width 16, AlexNet
+    256, MLP hidden width 1024. Depths are unchanged. E.g. ``width=0.25`` gives ResNet width 16, AlexNet
     16/1024 and ViT 32/64, small enough for CPU runs.
     """
     multiplier = 1.0 if width is None else float(width)
@@ -311,6 +331,8 @@ def build_model(
             heads=heads,
             mlp_dim=_scale(256, multiplier),
         )
+    if key == "mlp":
+        return mlp(num_classes, in_channels, image_size, _scale(1024, multiplier))
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
 
 

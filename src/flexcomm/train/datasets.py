@@ -144,10 +144,7 @@ def load_idx_dataset(
             f"{data_dir}: expected uint8 images of shape (N, H, W), "
             f"got {images.dtype} {images.shape}"
         )
-    if labels.ndim != 1 or len(labels) != len(images):
-        raise ValueError(
-            f"{data_dir}: {len(images)} images but labels of shape {labels.shape}"
-        )
+    _check_label_shape(labels, len(images), str(data_dir))
     return images, labels.astype(np.int64)
 
 
@@ -191,16 +188,22 @@ def synthetic_dataset(
 # ----------------------------------------------------------------------- user data
 
 
+def _check_label_shape(labels: np.ndarray, n_images: int, source: str) -> None:
+    """One label per image, in a 1-D array."""
+    if labels.ndim != 1 or len(labels) != n_images:
+        raise ValueError(
+            f"{source}: {n_images} images but labels of shape {labels.shape}; "
+            f"labels must have shape ({n_images},)"
+        )
+
+
 def _check_images_labels(images: np.ndarray, labels: np.ndarray, source: str) -> None:
     if images.ndim not in (3, 4):
         raise ValueError(
             f"{source}: images must have shape (N, H, W) or (N, C, H, W), "
             f"got {images.shape}"
         )
-    if labels.ndim != 1 or len(labels) != len(images):
-        raise ValueError(
-            f"{source}: labels must have shape ({len(images)},), got {labels.shape}"
-        )
+    _check_label_shape(labels, len(images), source)
     if not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{source}: labels must be integers, got {labels.dtype}")
     if labels.size and labels.min() < 0:

@@ -121,26 +121,26 @@ def _split_number_unit(text: str, what: str, units: dict[str, float], context: s
     return value
 
 
+def _parse_positive(text: str, what: str, units: dict[str, float], context: str | None) -> float:
+    ctx = text if context is None else context
+    value = _split_number_unit(text, what, units, ctx)
+    if value <= 0:
+        raise ValueError(f"bad {what} {text!r} in {ctx!r}: must be > 0")
+    return value
+
+
 def parse_rate(text: str, context: str | None = None) -> float:
     """Parse a tc-style rate (``"50mbit"``, ``"1gbit"``, ``"10mbps"``) to bits/s.
 
     Raises ValueError for missing/unknown units and for rates <= 0, because a
     zero-rate tbf would silently black-hole the link.
     """
-    ctx = text if context is None else context
-    value = _split_number_unit(text, "rate", _RATE_UNITS, ctx)
-    if value <= 0:
-        raise ValueError(f"bad rate {text!r} in {ctx!r}: must be > 0")
-    return value
+    return _parse_positive(text, "rate", _RATE_UNITS, context)
 
 
 def parse_duration(text: str, context: str | None = None) -> float:
     """Parse a phase duration (``"30s"``, ``"500ms"``, ``"2m"``) to seconds (> 0)."""
-    ctx = text if context is None else context
-    value = _split_number_unit(text, "duration", _DURATION_UNITS, ctx)
-    if value <= 0:
-        raise ValueError(f"bad duration {text!r} in {ctx!r}: must be > 0")
-    return value
+    return _parse_positive(text, "duration", _DURATION_UNITS, context)
 
 
 def parse_delay(text: str, context: str | None = None) -> float:

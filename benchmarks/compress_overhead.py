@@ -119,32 +119,16 @@ def case_methods(x: torch.Tensor, k: int) -> dict[str, Callable[[], object]]:
     workspace = TopkWorkspace()  # one per bucket in the hook, reused across steps
     given = topk_indices(x, k, TopkWorkspace())  # the indices a non-leader receives
 
-    def agtopk_rank() -> torch.Tensor:
+    def values_at(indices: torch.Tensor) -> torch.Tensor:
+        """A rank's contribution at ``indices`` (NaN everywhere if its gradient is not finite), its gain computed."""
         norm, finite = norm_and_finiteness(x)
-        indices = topk_indices(x, k, workspace)
-        values = contributed_values(x, indices, finite)
-        gain(values, norm)
-        padding = k - indices.numel()
-        return pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
-
-    def artopk_leader() -> torch.Tensor:
-        norm, finite = norm_and_finiteness(x)
-        indices = topk_indices(x, k, workspace)
         values = contributed_values(x, indices, finite)
         gain(values, norm)
         return values
 
-    def artopk_nonleader() -> torch.Tensor:
-        norm, finite = norm_and_finiteness(x)
-        values = contributed_values(x, given, finite)
-        gain(values, norm)
-        return values
-
-    def mstopk_rank() -> torch.Tensor:
-        norm, finite = norm_and_finiteness(x)
-        indices = mstopk_indices(x, k, MSTOPK_ROUNDS)
-        values = contributed_values(x, indices, finite)
-        gain(values, norm)
+    def packed_at(indices: torch.Tensor) -> torch.Tensor:
+        """The allgather exchange's message: values and indices, padded to k."""
+        values = values_at(indices)
         padding = k - indices.numel()
         return pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
 
@@ -154,10 +138,10 @@ def case_methods(x: torch.Tensor, k: int) -> dict[str, Callable[[], object]]:
         "flexcomm_topk": lambda: topk_indices(x, k, workspace),
         "mstopk": lambda: mstopk_indices(x, k, MSTOPK_ROUNDS),
         "gather": lambda: x.index_select(0, given),
-        "agtopk_rank": agtopk_rank,
-        "artopk_leader": artopk_leader,
-        "artopk_nonleader": artopk_nonleader,
-        "mstopk_rank": mstopk_rank,
+        "agtopk_rank": lambda: packed_at(topk_indices(x, k, workspace)),
+        "artopk_leader": lambda: values_at(topk_indices(x, k, workspace)),
+        "artopk_nonleader": lambda: values_at(given),
+        "mstopk_rank": lambda: packed_at(mstopk_indices(x, k, MSTOPK_ROUNDS)),
     }
 
 

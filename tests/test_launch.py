@@ -190,3 +190,10 @@ def test_a_lone_signal_to_the_launcher_stops_every_rank(sig: signal.Signals) -> 
     while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(map(_gone, pids))
+
+
+def test_the_error_quotes_only_the_last_stderr_lines() -> None:
+    code = "import sys; [print('line', i, file=sys.stderr) for i in range(100)]; sys.exit(2)"
+    with pytest.raises(RankFailed) as info:
+        run_ranks(None, 1, [sys.executable, "-c", code], timeout=60)
+    assert info.value.stderr_tail.splitlines() == [f"line {i}" for i in range(70, 100)]

@@ -160,10 +160,10 @@ class _LineReader:
                     self.callback_error = exc
         self._stream.close()
 
-    def text(self, timeout: float = 10.0) -> str:
-        """Everything kept, once the stream has ended (or ``timeout`` passed)."""
+    def text(self, timeout: float = 10.0, last: int | None = None) -> str:
+        """What was kept (its ``last`` lines), once the stream has ended (or ``timeout`` passed)."""
         self._thread.join(timeout)
-        return "".join(self.lines)
+        return "".join(list(self.lines)[-last:] if last else self.lines)
 
 
 @dataclass
@@ -176,7 +176,7 @@ class RankProcess:
     err: _LineReader | None = field(default=None, repr=False)
 
     def stderr_tail(self) -> str:
-        return self.err.text(2.0) if self.err is not None else ""
+        return self.err.text(2.0, last=STDERR_TAIL_LINES) if self.err is not None else ""
 
 
 def start_ranks(

@@ -12,6 +12,7 @@ import flexcomm
 from flexcomm.compress import k_for, topk_indices
 from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control import Candidate, DensityController, ExchangeChooser, pareto_front
+from flexcomm.control.exchange import StepSample
 from flexcomm.cost import CostEstimator, CostParams, LinkParams
 from multiproc import run_world
 from test_hook_distributed import exchange, gradient, hooked_model
@@ -40,8 +41,9 @@ def model_inputs(alpha: float, beta: float, t_comp: float, world: int = 4) -> tu
     a = torch.randn(M, generator=torch.Generator().manual_seed(1)) * torch.rand(M, generator=torch.Generator().manual_seed(2)).pow(6)
     gains = [math.sqrt(e / total_energy(a)) for e in kept_energy(a, CANDIDATES)]
     chooser = ExchangeChooser(CostEstimator(prior=CostParams.uniform(LinkParams(alpha, beta))))
-    chooser.observe_compression(0, t_comp)
-    seconds = [chooser.predicted_seconds(0, M, c, world, 4, "artopk") for c in CANDIDATES]
+    chooser.sizes = {0: (M, 4)}
+    chooser.observe(0, [StepSample(0, "artopk", 0.01, t_comp, chooser.predicted(0, "artopk", 0.01, world), 0.0)], world)
+    seconds = [chooser.step_seconds(c, world, "artopk") for c in CANDIDATES]
     return gains, seconds
 
 
@@ -71,11 +73,33 @@ def test_very_slow_network_goes_to_the_sparsest_candidate_that_meets_the_gain_fl
 def test_asf_picks_a_compromise_between_the_extremes() -> None:
     gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
     seconds = [10.0, 3.0, 2.0, 1.5, 1.2, 1.0]
-    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)
+    controller = DensityController(CANDIDATES, rule="asf", warmup_steps=0, ramp_steps=1, measure_every=1)
     final = settled(controller, gains, seconds, steps=20)[-1]
     # Normalized (time, gain shortfall) for 0.1: (0.22, 0.125) -> ASF max(0.6*0.22, 0.4*0.125) = 0.133,
     # the lowest on the front (1.0 scores 0.6, 0.001 scores 0.4, 0.033 scores 0.15).
     assert final == 0.1
+
+
+def test_near_fastest_sends_the_most_within_the_time_slack() -> None:
+    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+    # Step times (s): 0.011 is the densest within 10% of the fastest (1.0 s).
+    seconds = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]
+    controller = DensityController(CANDIDATES, rule="near-fastest", warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert settled(controller, gains, seconds, steps=20)[-1] == 0.011
+    # A fast network: dense within 10% of the fastest -> dense.
+    controller = DensityController(CANDIDATES, rule="near-fastest", warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert settled(controller, gains, [1.05, 1.02, 1.01, 1.0, 1.0, 1.0], steps=20)[-1] == 1.0
+
+
+def test_near_fastest_follows_a_network_that_slows_down_and_recovers() -> None:
+    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+    fast, slow = [1.05, 1.02, 1.01, 1.0, 1.0, 1.0], [4.0, 1.6, 1.2, 1.08, 1.02, 1.0]
+    controller = DensityController(CANDIDATES, rule="near-fastest", warmup_steps=0, ramp_steps=1, measure_every=1)
+    densities = [controller.update(step, gains, seconds) for step, seconds in
+                 enumerate([fast] * 10 + [slow] * 10 + [fast] * 10)]
+    assert densities[9] == 1.0 and densities[19] == 0.011 and densities[29] == 1.0
+    # It leaves a density that fell out of the slack at the first update that sees it.
+    assert densities[10] == 0.011 and densities[20] == 1.0
 
 
 def test_no_oscillation_over_a_thousand_steps_of_constant_inputs() -> None:
@@ -101,8 +125,9 @@ def test_warmup_and_ramp_bound_the_density() -> None:
 @pytest.mark.parametrize("kwargs,message", [
     ({"candidates": (1.0, 0.0)}, "candidates must be densities in"),
     ({"candidates": (0.1, 0.1)}, "candidates must be distinct"),
-    ({"rule": "best"}, "rule must be one of asf, min-time, knee"),
+    ({"rule": "best"}, "rule must be one of near-fastest, asf, min-time, knee"),
     ({"time_weight": 1.0}, "time_weight must be in"),
+    ({"time_slack": -0.1}, "time_slack must be a number >= 0"),
     ({"measure_every": 0}, "measure_every must be an int >= 1"),
     ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
 ])

@@ -17,11 +17,18 @@ one of them is picked by a rule:
                    ``w_t = time_weight`` (0.6), ``w_g = 1 - time_weight`` (0.4).
 ``min-time``       the fastest candidate whose gain is at least ``min_gain``.
 ``knee``           the front point farthest from the line joining its two ends.
+``near-fastest``   (default) epsilon-constraint: the candidate with the highest gain among
+                   those whose predicted step time is within ``time_slack`` (10%) of the
+                   fastest candidate's.  It gives up at most that much speed to send as much
+                   of the gradient as it can: dense where the network is fast enough that
+                   compression saves nothing, the sparsest needed where it is slow.  Unlike
+                   ``asf`` it compares absolute times, so a 2 ms difference on a 100 ms step
+                   counts as the 2% it is, not as the whole range of the front.
 
 Stability: the controller starts dense, may descend one candidate every ``ramp_steps``
 steps after ``warmup_steps``, re-decides only when the gain at the current density has
-moved by more than ``gain_change`` (relative), the predicted time of the current density
-by more than ``cost_change``, or ``redecide_every`` steps have passed; and it switches
+moved by more than ``gain_change`` (relative), the predicted time of any candidate by
+more than ``cost_change``, or ``redecide_every`` steps have passed; and it switches
 only if the new choice beats the current density by ``hysteresis`` in the rule's own terms.
 """
 
@@ -32,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-RULES = ("asf", "min-time", "knee")
+RULES = ("near-fastest", "asf", "min-time", "knee")
 DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
 
 
@@ -90,6 +97,7 @@ class DensityController:
     Args:
         candidates: densities in (0, 1] to choose from (1.0 means a dense exchange).
         rule: one of :data:`RULES`.
+        time_slack: ``near-fastest``'s allowance over the fastest candidate's time, >= 0.
         time_weight: ``asf``'s weight on time, in (0, 1); the gain's is ``1 - time_weight``.
         min_gain: ``min-time``'s gain floor, in [0, 1].
         measure_every: steps between gain measurements (each costs one top-k per bucket
@@ -104,7 +112,8 @@ class DensityController:
     def __init__(
         self,
         candidates: Sequence[float] = DEFAULT_CANDIDATES,
-        rule: str = "asf",
+        rule: str = "near-fastest",
+        time_slack: float = 0.1,
         time_weight: float = 0.6,
         min_gain: float = 0.5,
         measure_every: int = 50,
@@ -121,6 +130,8 @@ class DensityController:
             raise ValueError(f"candidates must be distinct, got {candidates!r}")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+        if isinstance(time_slack, bool) or not isinstance(time_slack, (int, float)) or not time_slack >= 0.0:
+            raise ValueError(f"time_slack must be a number >= 0, got {time_slack!r}")
         if not 0.0 < time_weight < 1.0:
             raise ValueError(f"time_weight must be in (0, 1), got {time_weight}")
         if not 0.0 <= min_gain <= 1.0:
@@ -132,6 +143,7 @@ class DensityController:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         self.candidates = tuple(sorted((float(c) for c in candidates), reverse=True))
         self.rule = rule
+        self.time_slack = float(time_slack)
         self.time_weight = time_weight
         self.min_gain = min_gain
         self.measure_every = measure_every
@@ -160,8 +172,7 @@ class DensityController:
         """Take the agreed objectives of every candidate (in ``self.candidates`` order); return the density."""
         if len(gains) != len(self.candidates) or len(seconds) != len(self.candidates):
             raise ValueError("need one gain and one time per candidate")
-        current = self.candidates.index(self.density)
-        if not self._should_redecide(step, gains[current], seconds[current]):
+        if not self._should_redecide(step, gains, seconds):
             return self.density
         floor = self.floor_density(step)
         allowed = [Candidate(c, g, t) for c, g, t in zip(self.candidates, gains, seconds) if c >= floor]
@@ -171,7 +182,7 @@ class DensityController:
         if kept is not None and chosen is not kept and not self._clearly_better(chosen, kept, front):
             chosen = kept
         self.density = chosen.density
-        self._last = {"step": step, "gain": gains[self.candidates.index(chosen.density)], "seconds": seconds[self.candidates.index(chosen.density)]}
+        self._last = {"step": step, "gains": list(gains), "seconds": list(seconds)}
         self.decisions.append({
             "step": step,
             "density": chosen.density,
@@ -181,15 +192,21 @@ class DensityController:
         })
         return self.density
 
-    def _should_redecide(self, step: int, gain: float, seconds: float) -> bool:
+    def _should_redecide(self, step: int, gains: Sequence[float], seconds: Sequence[float]) -> bool:
         last = self._last
         if last is None or step - last["step"] >= self.redecide_every:
             return True
         if self.floor_density(step) < self.floor_density(last["step"]):
             return True  # the ramp just allowed a sparser candidate
-        return _moved(gain, last["gain"], self.gain_change) or _moved(seconds, last["seconds"], self.cost_change)
+        # Any candidate's time, not only the current one's: a faster network moves dense's
+        # time a lot and a sparse density's hardly at all.
+        current = self.candidates.index(self.density)
+        return _moved(gains[current], last["gains"][current], self.gain_change) or any(
+            _moved(now, before, self.cost_change) for now, before in zip(seconds, last["seconds"]))
 
     def _pick(self, front: list[Candidate]) -> Candidate:
+        if self.rule == "near-fastest":
+            return max(self._near_fastest(front), key=lambda c: (c.gain, c.density))
         if self.rule == "min-time":
             good = [c for c in front if c.gain >= self.min_gain]
             return min(good, key=lambda c: (c.seconds, -c.density)) if good else max(front, key=lambda c: c.gain)
@@ -198,8 +215,17 @@ class DensityController:
         scores = asf_scores(front, self.time_weight)
         return front[min(range(len(front)), key=lambda i: (scores[i], i))]
 
+    def _near_fastest(self, front: list[Candidate]) -> list[Candidate]:
+        """The front's candidates within ``time_slack`` of its fastest (the front holds the fastest of all)."""
+        fastest = min(c.seconds for c in front)
+        return [c for c in front if c.seconds <= fastest * (1.0 + self.time_slack)]
+
     def _clearly_better(self, chosen: Candidate, current: Candidate, front: list[Candidate]) -> bool:
         """Hysteresis, in the rule's own terms: leave a density still on the front only for a clear gain."""
+        if self.rule == "near-fastest":
+            if current not in self._near_fastest(front):
+                return True  # too slow now: leave at once
+            return chosen.gain > current.gain * (1.0 + self.hysteresis)
         if self.rule == "asf":
             scores = dict(zip((c.density for c in front), asf_scores(front, self.time_weight)))
             return scores[current.density] - scores[chosen.density] > self.hysteresis

@@ -1,91 +1,272 @@
-"""Which exchange a bucket uses: the cheapest by the alpha-beta model plus compression time.
+"""Which exchange each bucket uses: the plan that makes the whole step fastest (``flex``).
 
-For a bucket of M elements at density c on N ranks the predicted step cost is
+DDP hands buckets to the hook in a fixed order while backward runs.  For bucket ``b`` (in
+that order) and exchange ``e`` the model holds, from measurements agreed across ranks:
 
-    dense:   T_allreduce(M * vb)
-    agtopk:  T_allgather(k * (vb + 4))                      + t_comp
-    artopk:  T_broadcast(k * 4) + T_allreduce(k * vb)       + t_comp
+* ``block[b, e]``: local work on the critical path, max over ranks -- selection, packing
+  and write-back (for AR-Topk every follower waits for the leader's selection).  Dense: 0;
+* ``comm[b, e]``: the collectives' own time (service time: queueing behind the previous
+  bucket's collectives removed), min over ranks;
+* ``gap[b]``: backward compute between bucket ``b``'s hook call and the next one, max over
+  ranks (the same whatever is chosen).
 
-with the collectives' (alpha, beta) from the online estimator and ``t_comp`` the
-bucket's measured top-k selection time (an EWMA of the max over ranks: the selection is
-on the critical path).  ``t_comp`` starts at 0, an optimistic guess that corrects itself:
-if compression looks cheapest it runs and gets measured; if dense wins with t_comp = 0 it
-wins with any t_comp.
+One process group runs its collectives one after another, so with ``t`` the autograd
+thread's clock and ``free`` the time the group is next idle:
 
-Hysteresis: a bucket keeps its current exchange unless another is predicted faster by
-more than ``hysteresis`` (10%): near-ties are decided by timing noise, and flipping
-between them costs more than it saves.
+    t = free = 0
+    for b in order:  t += block[b, e_b];  free = max(t, free) + comm[b, e_b];  t += gap[b]
+    step = max(t, free)
 
-The chooser is a deterministic function of its inputs and its own past choices; every
-rank feeds it the same (agreed) inputs at the same steps, so every rank picks the same.
+``step`` is backward plus what the exchanges add to it: a dense bucket early in backward
+costs nothing while its allreduce hides behind the rest of backward, a selection costs its
+full time, the last buckets' collectives are exposed.  The plan is the choice vector with
+the smallest ``step``, by coordinate descent from the current plan (one bucket's exchange
+changes at a time, only for a gain above ``hysteresis``).
+
+Unmeasured pairs are predicted: ``comm`` from the alpha-beta model times the calibration
+``kappa[b, e]`` (EWMA of measured / modelled comm; the mean over the exchange's other
+buckets, else 1, before the first sample), ``block`` from the measured seconds per element
+of sparse exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
+
+Exploration: the plan's own choices are measured at every step; an alternative is only
+measured when it is tried.  Every ``explore_every`` steps one bucket (by the step counter)
+runs its least recently measured alternative -- if the model predicts the step with that
+alternative within ``explore_margin`` of the plan's, so a wrong model corrects itself
+within ``explore_every * buckets * 2`` steps at a bounded price and clearly worse choices
+(dense on a slow link) are never tried.
+
+Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flexcomm.cost import CostEstimator, CostParams, predict_exchange_times
 
+EXCHANGE_ORDER = ("dense", "artopk", "agtopk")
+
+
+@dataclass(frozen=True)
+class BucketCosts:
+    """One bucket's inputs to :func:`simulate_step`: per-exchange blocking and comm seconds, and the gap after it."""
+
+    block: Mapping[str, float]
+    comm: Mapping[str, float]
+    gap: float
+
+    def total(self, exchange: str) -> float:
+        return self.block[exchange] + self.comm[exchange]
+
 
 @dataclass(frozen=True)
 class Choice:
+    """One bucket's exchange and the predicted blocking + comm seconds of every exchange."""
+
     exchange: str
     predicted: dict[str, float]
 
 
+@dataclass(frozen=True)
+class StepSample:
+    """One bucket exchange of one step at ``density``, agreed across ranks."""
+
+    bucket: int
+    exchange: str
+    density: float
+    block: float
+    comm: float
+    gap: float
+
+
+def simulate_step(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> float:
+    """Backward plus the exposed exchanges under ``choice`` (one exchange per bucket, in hook order)."""
+    t = free = 0.0
+    for costs, exchange in zip(buckets, choice):
+        t += costs.block[exchange]
+        free = max(t, free) + costs.comm[exchange]
+        t += costs.gap
+    return max(t, free)
+
+
+def best_plan(buckets: Sequence[BucketCosts], current: Sequence[str], hysteresis: float) -> list[str]:
+    """Coordinate descent from ``current``: switch one bucket at a time while the step gets faster by > ``hysteresis``."""
+    plan = list(current)
+    best = simulate_step(buckets, plan)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(buckets)):
+            for exchange in EXCHANGE_ORDER:
+                if exchange == plan[i]:
+                    continue
+                trial = plan[:i] + [exchange] + plan[i + 1:]
+                seconds = simulate_step(buckets, trial)
+                if seconds < best * (1.0 - hysteresis):
+                    plan, best, improved = trial, seconds, True
+    return plan
+
+
 class ExchangeChooser:
-    """Cheapest exchange per bucket; its inputs change only at :meth:`refresh`."""
+    """Measured and modelled costs per (bucket, exchange), and the plan that minimises the step.
 
-    def __init__(self, estimator: CostEstimator | None = None, compress_smoothing: float = 0.7, hysteresis: float = 0.1) -> None:
+    Args:
+        estimator: the online (alpha, beta) estimate; its parameters are taken at :meth:`refresh`.
+        smoothing: EWMA factor of the measurements (weight of the old value).
+        hysteresis: relative gain a new plan needs over the current one.
+        explore_every: steps between explorations (0: never explore).
+        explore_margin: an alternative is explored only if the model's step with it is within
+            this fraction of the plan's step.
+    """
+
+    def __init__(self, estimator: CostEstimator | None = None, smoothing: float = 0.7, hysteresis: float = 0.05,
+                 explore_every: int = 10, explore_margin: float = 0.5) -> None:
         self.estimator = estimator or CostEstimator()
-        self.compress_smoothing = compress_smoothing
-        self.hysteresis = hysteresis
         self.params: CostParams = self.estimator.params
-        self._compress_seconds: dict[int, float] = {}
-        self._current: dict[int, str] = {}
+        self.smoothing = smoothing
+        self.hysteresis = hysteresis
+        self.explore_every = explore_every
+        self.explore_margin = explore_margin
+        #: bucket -> (numel, value bytes) of the buckets of the current layout.
+        self.sizes: dict[int, tuple[int, int]] = {}
+        self.plan: dict[int, str] = {}
+        self._block: dict[tuple[int, str], float] = {}
+        self._kappa: dict[tuple[int, str], float] = {}
+        self._gap: dict[int, float] = {}
+        self._measured_at: dict[tuple[int, str], int] = {}
 
-    def observe_compression(self, bucket_index: int, seconds: float) -> None:
-        previous = self._compress_seconds.get(bucket_index)
-        s = self.compress_smoothing
-        self._compress_seconds[bucket_index] = seconds if previous is None else s * previous + (1 - s) * seconds
+    @property
+    def order(self) -> list[int]:
+        """The buckets in hook order (DDP hands them over by index)."""
+        return sorted(self.sizes)
 
     def refresh(self) -> None:
-        """Take the estimator's current (alpha, beta) for the next decisions."""
+        """Take the estimator's current (alpha, beta) for the next predictions (at agreement points)."""
         self.params = self.estimator.params
 
-    def choose(self, bucket_index: int, numel: int, density: float, world_size: int, value_bytes: int) -> Choice:
-        predicted = predict_exchange_times(numel, density, world_size, self.params, value_bytes)
-        t_comp = self._compress_seconds.get(bucket_index, 0.0)
-        predicted["agtopk"] += t_comp
-        predicted["artopk"] += t_comp
-        # Ties go to the simplest exchange (dict order: dense, artopk, agtopk).
-        exchange = min(predicted, key=predicted.__getitem__)
-        current = self._current.get(bucket_index)
-        if current is not None and predicted[current] <= predicted[exchange] * (1.0 + self.hysteresis):
-            exchange = current
-        return Choice(exchange, predicted)
+    # -- measurements ---------------------------------------------------------------------
+    def observe(self, step: int, samples: Sequence[StepSample], world: int) -> None:
+        """Fold one step's agreed samples in (same order on every rank)."""
+        for s in samples:
+            numel, vb = self.sizes[s.bucket]
+            key = (s.bucket, s.exchange)
+            model = predict_exchange_times(numel, s.density, world, self.params, vb)[s.exchange]
+            self._smooth(self._kappa, key, s.comm / model if model > 0 else 1.0)
+            self._smooth(self._block, key, s.block)
+            self._smooth(self._gap, s.bucket, s.gap)
+            self._measured_at[key] = step
 
-    def keep(self, bucket_index: int, exchange: str) -> None:
-        """Record the exchange a bucket now uses (the reference point of the hysteresis)."""
-        self._current[bucket_index] = exchange
+    def _smooth(self, table: dict, key: Any, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else self.smoothing * old + (1.0 - self.smoothing) * value
 
-    def predicted_seconds(self, bucket_index: int, numel: int, density: float, world_size: int, value_bytes: int, exchange: str | None) -> float:
-        """Predicted time of one bucket at ``density``: with ``exchange``, or the cheapest if None.
+    # -- predictions ----------------------------------------------------------------------
+    def costs(self, bucket: int, density: float, world: int) -> BucketCosts:
+        """Predicted blocking and comm seconds of every exchange of ``bucket`` at ``density``."""
+        numel, vb = self.sizes[bucket]
+        modelled = predict_exchange_times(numel, density, world, self.params, vb)
+        comm = {e: self._kappa_for(bucket, e) * modelled[e] for e in EXCHANGE_ORDER}
+        block = {e: self._block_for(bucket, e, numel) for e in EXCHANGE_ORDER}
+        return BucketCosts(block, comm, self._gap.get(bucket, 0.0))
 
-        Density 1.0 is always a dense exchange: sending every index would only add bytes.
-        """
+    def step_costs(self, density: float, world: int) -> list[BucketCosts]:
+        return [self.costs(b, density, world) for b in self.order]
+
+    def _kappa_for(self, bucket: int, exchange: str) -> float:
+        own = self._kappa.get((bucket, exchange))
+        if own is not None:
+            return own
+        others = [k for (b, e), k in sorted(self._kappa.items()) if e == exchange]
+        return sum(others) / len(others) if others else 1.0
+
+    def _block_for(self, bucket: int, exchange: str, numel: int) -> float:
+        if exchange == "dense":
+            return self._block.get((bucket, exchange), 0.0)
+        own = self._block.get((bucket, exchange))
+        if own is not None:
+            return own
+        # Selection work grows with the bucket: scale the slowest measured rate of a sparse exchange.
+        rates = [t / self.sizes[b][0] for (b, e), t in sorted(self._block.items()) if e != "dense"]
+        return max(rates) * numel if rates else 0.0
+
+    # -- decisions ------------------------------------------------------------------------
+    def replan(self, density: float, world: int) -> None:
+        """Re-decide the plan of every known bucket (at an agreement point)."""
+        if not self.order:
+            return
+        costs = self.step_costs(density, world)
+        self.plan = dict(zip(self.order, best_plan(costs, self._current(costs), self.hysteresis)))
+
+    def _current(self, costs: Sequence[BucketCosts]) -> list[str]:
+        """The plan in hook order; a bucket without one starts from its cheapest exchange alone."""
+        return [self.plan.get(b) or min(EXCHANGE_ORDER, key=c.total) for b, c in zip(self.order, costs)]
+
+    def choose(self, bucket: int, step: int, density: float, world: int) -> str:
+        """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
+        if bucket not in self.plan:
+            return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
+        explored = self._exploration(step, density, world)
+        if explored is not None and explored[0] == bucket:
+            return explored[1]
+        return self.plan[bucket]
+
+    def choice(self, bucket: int, numel: int, density: float, world: int, value_bytes: int, step: int) -> Choice:
+        """:meth:`choose` for a bucket of ``numel`` elements, with every exchange's predicted seconds."""
+        self.sizes[bucket] = (numel, value_bytes)
+        costs = self.costs(bucket, density, world)
+        return Choice(self.choose(bucket, step, density, world), {e: costs.total(e) for e in EXCHANGE_ORDER})
+
+    def _exploration(self, step: int, density: float, world: int) -> tuple[int, str] | None:
+        if not self.explore_every or step % self.explore_every or len(self.plan) != len(self.order):
+            return None
+        position = (step // self.explore_every) % len(self.order)
+        bucket = self.order[position]
+        costs = self.step_costs(density, world)
+        planned = [self.plan[b] for b in self.order]
+        limit = simulate_step(costs, planned) * (1.0 + self.explore_margin)
+        cheap = [e for e in EXCHANGE_ORDER if e != self.plan[bucket]
+                 and simulate_step(costs, planned[:position] + [e] + planned[position + 1:]) <= limit]
+        if not cheap:
+            return None
+        return bucket, min(cheap, key=lambda e: (self._measured_at.get((bucket, e), -1), EXCHANGE_ORDER.index(e)))
+
+    def predicted(self, bucket: int, exchange: str, density: float, world: int) -> float:
+        """Predicted blocking + comm seconds of one bucket exchange (what the records compare with)."""
+        return self.costs(bucket, density, world).total(exchange)
+
+    def step_seconds(self, density: float, world: int, exchange: str | None) -> float:
+        """Predicted backward + exchanges at ``density``: the best plan, or ``exchange`` for every bucket."""
+        if not self.order:
+            return math.nan
+        costs = self.step_costs(density, world)
         if density >= 1.0:
-            exchange = "dense"
-        choice = self.choose(bucket_index, numel, density, world_size, value_bytes)
-        return choice.predicted[exchange or choice.exchange]
+            return simulate_step(costs, ["dense"] * len(costs))
+        if exchange is not None:
+            return simulate_step(costs, [exchange] * len(costs))
+        return simulate_step(costs, best_plan(costs, self._current(costs), 0.0))
 
+    # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"estimator": self.estimator.state_dict(), "compress_seconds": dict(self._compress_seconds),
-                "current": dict(self._current)}
+        return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
+                "plan": dict(self.plan), "block": _pairs(self._block), "kappa": _pairs(self._kappa), "gap": dict(self._gap),
+                "measured_at": _pairs(self._measured_at)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
-        self._compress_seconds = {int(i): float(s) for i, s in state["compress_seconds"].items()}
-        self._current = {int(i): str(e) for i, e in state["current"].items()}
         self.refresh()
+        self.sizes = {int(b): (int(n), int(v)) for b, (n, v) in state["sizes"].items()}
+        self.plan = {int(b): str(e) for b, e in state["plan"].items()}
+        self._block, self._kappa = _unpairs(state["block"]), _unpairs(state["kappa"])
+        self._gap = {int(b): float(g) for b, g in state["gap"].items()}
+        self._measured_at = _unpairs(state["measured_at"])
+
+
+def _pairs(table: dict[tuple[int, str], Any]) -> list[list[Any]]:
+    return [[b, e, v] for (b, e), v in sorted(table.items())]
+
+
+def _unpairs(rows: list[list[Any]]) -> dict[tuple[int, str], Any]:
+    return {(int(b), str(e)): v for b, e, v in rows}

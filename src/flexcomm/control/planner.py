@@ -16,20 +16,26 @@ every rank in the same order:
 Every decision is a deterministic function of the step counter and of values every rank
 received in the same collective, so every rank decides alike:
 
-* ``flex``: the :class:`~flexcomm.control.exchange.ExchangeChooser` picks per bucket the
-  cheapest of dense, AG-Topk and AR-Topk by the alpha-beta model plus measured compression
-  time.  (alpha, beta) are estimated online: a probe of a few message sizes at start and
-  every ``probe_every`` steps, and the exchanges' own timings, agreed across ranks every
-  ``flex_interval`` steps (min over ranks for collectives, max for compression).
+* ``flex``: the :class:`~flexcomm.control.exchange.ExchangeChooser` plans, per bucket, the
+  exchange (dense, AG-Topk or AR-Topk) that makes the whole step fastest: blocking local
+  work, collectives queued on the group, what hides behind the rest of backward (see its
+  module).  Its inputs: (alpha, beta) estimated online from a probe of a few message sizes
+  at start and every ``probe_every`` steps and from the collectives' own times, and each
+  bucket exchange's agreed measurements (:mod:`flexcomm.control.step_log`), all agreed
+  across ranks every ``flex_interval`` steps; the plan changes only then, and one bucket
+  every few steps tries an alternative the model rates close (exploration by step counter).
 * ``density="auto"``: every ``measure_every`` steps each bucket's gain curve over the
   candidates is computed from one top-k pass, summed over buckets and ranks by one
-  allreduce, and the :class:`~flexcomm.control.density.DensityController` picks.
+  allreduce; the :class:`~flexcomm.control.density.DensityController` picks from the gains
+  and each candidate's predicted step time, and again at every agreement point (new times,
+  the last agreed gains), so a changed network is followed within ``flex_interval`` steps.
 * the first ``warmup_steps`` steps, and density 1.0 under ``auto``, are dense.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +47,12 @@ from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.compress import TopkWorkspace
 from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control.density import DensityController
-from flexcomm.control.exchange import ExchangeChooser
+from flexcomm.control.exchange import ExchangeChooser, StepSample
+from flexcomm.control.step_log import LocalSample, StepLog
 from flexcomm.cost import CostEstimator, Observation
+
+
+PREDICTION_LOG = 10_000
 
 
 @dataclass(frozen=True)
@@ -88,15 +98,18 @@ class StepPlanner:
         self.probe_sizes = tuple(probe_sizes)
         self.group = group
         self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting))
+        self._log = StepLog()
+        self._pending: list[LocalSample] = []
+        #: ``(exchange, predicted, measured)`` seconds (blocking work + collectives) of every agreed bucket
+        #: exchange, newest last: how far the model is from what it then measured.
+        self.prediction_log: deque[tuple[str, float, float]] = deque(maxlen=PREDICTION_LOG)
         #: The step of the last probe (``None`` before the first).
         self.probed_at: int | None = None
         self.measuring_gain = False
         # Gain curve of this step (density="auto"): kept energy per candidate, then the total.
         self._gain_energy: list[float] | None = None
-        self._bucket_sizes: dict[int, tuple[int, int]] = {}
-        # Filled as exchanges finish, agreed across ranks at the next agreement point.
-        self._measured_comm: list[tuple[tuple[int, int], Observation]] = []
-        self._measured_compress: list[tuple[tuple[int, int], float]] = []
+        # The last agreed gain of every candidate (density="auto").
+        self._gains: list[float] | None = None
 
     @property
     def density(self) -> float:
@@ -108,85 +121,111 @@ class StepPlanner:
         """Whether decisions need the online cost estimate (``flex`` or ``auto``)."""
         return self.exchange is None or self.controller is not None
 
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
     def begin_step(self, step: int) -> None:
         """The agreement points of a step, at its first bucket, when no exchange is in flight."""
         if not self.estimating:
             return
+        self._pending += self._log.close()
+        learned = False
         if self.probed_at is None or step - self.probed_at >= self.probe_every:
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
             self.probed_at = step
-            self.chooser.refresh()
-        elif step % self.flex_interval == 0 and (self._measured_comm or self._measured_compress):
+            learned = True
+        if step % self.flex_interval == 0 and self._pending:
             self._agree_on_measurements()
+            learned = True
+        if learned:
             self.chooser.refresh()
         if self.controller:
             if self._gain_energy is not None:
                 self._decide_density(step)
+            elif learned and self._gains is not None:
+                self._update_density(step)  # new costs, the last agreed gain curve
             self.measuring_gain = self.controller.measure_at(step)
+        if learned:
+            self.chooser.replan(self.density, self.world_size)
 
     def plan(self, bucket_index: int, numel: int, value_bytes: int, step: int) -> Plan:
         """How this bucket is exchanged at ``step``."""
         density = self.density
+        world = self.world_size
         # Under density="auto", density 1.0 means dense: sending every index would only add bytes.
         if step < self.warmup_steps or (self.controller is not None and density >= 1.0):
-            return Plan("dense", density)
-        if self.exchange is not None:
-            return Plan(self.exchange, density)
-        choice = self.chooser.choose(bucket_index, numel, density, dist.get_world_size(self.group), value_bytes)
-        self.chooser.keep(bucket_index, choice.exchange)
-        return Plan(choice.exchange, density, choice.predicted[choice.exchange])
+            exchange = "dense"
+        elif self.exchange is not None:
+            exchange = self.exchange
+        else:
+            exchange = self.chooser.choice(bucket_index, numel, density, world, value_bytes, step).exchange
+        if not self.estimating:
+            return Plan(exchange, density)
+        self.chooser.sizes.setdefault(bucket_index, (numel, value_bytes))
+        predicted = self.chooser.predicted(bucket_index, exchange, density, world)
+        self._log.entered(step, bucket_index, exchange, density, numel, value_bytes, predicted)
+        return Plan(exchange, density, predicted)
 
     def observe_gain(self, bucket_index: int, accumulated: torch.Tensor, workspace: TopkWorkspace) -> None:
         """Add one bucket's kept energy per candidate density (and its total) to this step's curve."""
         assert self.controller is not None
         energy = kept_energy(accumulated, self.controller.candidates, workspace) + [total_energy(accumulated)]
         self._gain_energy = energy if self._gain_energy is None else [a + b for a, b in zip(self._gain_energy, energy)]
-        self._bucket_sizes[bucket_index] = (accumulated.numel(), accumulated.element_size())
 
     def observe_exchange(self, step: int, bucket_index: int, observation: Observation, t_compress: float | None) -> None:
-        """Keep a finished exchange's network sample (and local compression work, if any)."""
-        if not self.estimating:
-            return
-        key = (step, bucket_index)
-        self._measured_comm.append((key, observation))
-        if t_compress is not None:
-            self._measured_compress.append((key, t_compress))
+        """Note a finished exchange: its collective's sample and its local work (0 for dense)."""
+        if self.estimating:
+            self._log.finished(step, bucket_index, observation, t_compress or 0.0)
 
     def _decide_density(self, step: int) -> None:
-        """Agree on the gain curve (sum over ranks), predict each candidate's time, let the controller pick."""
+        """Agree on the gain curve (sum over ranks), then let the controller pick."""
         assert self.controller is not None
         energy = allreduce_floats(self._gain_energy, self.group, dist.ReduceOp.SUM)
         self._gain_energy = None
         *kept, total = energy
         if not all(math.isfinite(e) for e in energy) or total <= 0.0:
             return  # a non-finite or all-zero step says nothing about the trade-off
-        world = dist.get_world_size(self.group)
-        seconds = [
-            sum(self.chooser.predicted_seconds(i, numel, c, world, vb, self.exchange) for i, (numel, vb) in self._bucket_sizes.items())
-            for c in self.controller.candidates
-        ]
-        self.controller.update(step, [math.sqrt(k / total) for k in kept], seconds)
+        self._gains = [math.sqrt(k / total) for k in kept]
+        self._update_density(step)
+
+    def _update_density(self, step: int) -> None:
+        """The controller's decision on the last agreed gains and the predicted step time of every candidate."""
+        assert self.controller is not None and self._gains is not None
+        seconds = [self.chooser.step_seconds(c, self.world_size, self.exchange) for c in self.controller.candidates]
+        if all(math.isfinite(t) for t in seconds):
+            self.controller.update(step, self._gains, seconds)
 
     def _agree_on_measurements(self) -> None:
-        """Feed every rank the same timings: min over ranks for collectives, max for compression.
+        """Feed every rank the same step samples (see :mod:`flexcomm.control.step_log`).
 
-        One allreduce(MAX) carries both: the collectives' times negated (-max(-t) = min t).
+        One allreduce(MAX) carries all: service and gap negated (-max(-t) = min t), block as is.
         """
-        comm = sorted(self._measured_comm, key=lambda item: item[0])
-        compress = sorted(self._measured_compress, key=lambda item: item[0])
-        self._measured_comm, self._measured_compress = [], []
-        agreed = allreduce_floats([-obs.seconds for _, obs in comm] + [t for _, t in compress], self.group, dist.ReduceOp.MAX)
-        self.chooser.estimator.observe_all(obs._replace(seconds=-t) for (_, obs), t in zip(comm, agreed))
-        for ((_, bucket), _), t in zip(compress, agreed[len(comm):]):
-            self.chooser.observe_compression(bucket, t)
+        samples = sorted(self._pending, key=lambda s: (s.step, s.bucket))
+        self._pending = []
+        n = len(samples)
+        agreed = allreduce_floats([-s.service for s in samples] + [-s.gap for s in samples] + [s.block for s in samples],
+                                  self.group, dist.ReduceOp.MAX)
+        service, gap, block = [-t for t in agreed[:n]], [-t for t in agreed[n:2 * n]], agreed[2 * n:]
+        # The collectives' own times are clean network samples (the raw ones counted queueing).
+        self.chooser.estimator.observe_all(s.observation._replace(seconds=t) for s, t in zip(samples, service))
+        last = samples[-1].step
+        self.chooser.sizes = {s.bucket: (s.numel, s.value_bytes) for s in samples if s.step == last}
+        for step in sorted({s.step for s in samples}):
+            self.chooser.observe(step, [
+                StepSample(s.bucket, s.exchange, s.density, b, c, g)
+                for s, c, g, b in zip(samples, service, gap, block) if s.step == step and s.bucket in self.chooser.sizes
+            ], self.world_size)
+        self.prediction_log.extend((s.exchange, s.predicted, b + c) for s, c, b in zip(samples, service, block)
+                                   if math.isfinite(s.predicted))
 
     def fingerprint(self) -> dict[str, object]:
         """The decision settings that must be equal on every rank."""
         controller = self.controller
         return {
             "density": "auto" if controller else self.fixed_density,
-            "controller": (controller.candidates, controller.rule, controller.time_weight, controller.measure_every,
-                           controller.warmup_steps, controller.ramp_steps) if controller else None,
+            "controller": (controller.candidates, controller.rule, controller.time_slack, controller.time_weight,
+                           controller.measure_every, controller.warmup_steps, controller.ramp_steps) if controller else None,
             "warmup_steps": self.warmup_steps,
         }
 
@@ -195,6 +234,7 @@ class StepPlanner:
             "chooser": self.chooser.state_dict(),
             "probed_at": self.probed_at,
             "controller": self.controller.state_dict() if self.controller else None,
+            "gains": self._gains,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -202,5 +242,6 @@ class StepPlanner:
             raise ValueError("checkpoint and this run disagree on density='auto'")
         self.chooser.load_state_dict(state["chooser"])
         self.probed_at = state["probed_at"]
+        self._gains = state["gains"]
         if self.controller:
             self.controller.load_state_dict(state["controller"])

@@ -16,6 +16,7 @@ different model: a silent wrong result), ``error`` (non-zero exit, every rank en
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ import torch
 from flexcomm.launch import rank_pids
 from flexcomm.netem import EmulatedCluster
 from flexcomm.train import checkpoint, cli
-from flexcomm.train.records import RECORDS_FILE
+from flexcomm.train.records import RECORDS_FILE, read_records
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RDZV_PORT = 29400
@@ -88,7 +89,8 @@ class Job:
 
 
 def start(config: Path, cluster: EmulatedCluster | None, max_restarts: int, log_path: Path, port: int = RDZV_PORT) -> Job:
-    """Start the agents of ``config`` (loopback when ``cluster`` is None; ``port``: the emulated rendezvous's)."""
+    """Start the agents of ``config`` (loopback when ``cluster`` is None; ``port``: the emulated
+    rendezvous's); agents and ranks all write to ``log_path``."""
     log = open(log_path, "w")
     worker = ["-m", "flexcomm.train.worker", str(config)]
     common = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", str(max_restarts),
@@ -134,14 +136,29 @@ def wait_for_step(job: Job, step: int, limit_s: float) -> bool:
     return True
 
 
-def wait_for_resume(job: Job, step_at_fault: int, limit_s: float) -> float | None:
-    """Seconds until the restarted ranks logged their first step, recognised by the log
-    going back (a resumed run drops the steps after its checkpoint); None if it never did."""
+def wait_for_resume(job: Job, old_rank0_pid: int | None, limit_s: float) -> float | None:
+    """Seconds until a restarted rank 0 logged its first step; None if it never did.
+
+    The restarted rank 0 is a new process; its first step is the first record it writes
+    (the log's mtime moves past the moment the new process was seen) at the checkpoint
+    it resumed from.
+    """
     started = time.monotonic()
-    while time.monotonic() - started < limit_s and not job.ended():
-        if 0 <= last_step(job.run_dir) < step_at_fault:
-            return time.monotonic() - started
-        time.sleep(0.05)
+    deadline = started + limit_s
+    new_pid = None
+    while new_pid is None or new_pid == old_rank0_pid:
+        if job.ended() or time.monotonic() > deadline:
+            return None
+        new_pid = job.worker_pids().get(0)
+        time.sleep(0.02)
+    seen = time.time()
+    path = job.run_dir / RECORDS_FILE
+    while time.monotonic() < deadline and not job.ended():
+        with contextlib.suppress(FileNotFoundError, checkpoint.CheckpointError):
+            resumed_from = checkpoint.read_latest(job.run_dir)["step"]
+            if path.stat().st_mtime > seen and last_step(job.run_dir) >= resumed_from:
+                return time.monotonic() - started
+        time.sleep(0.02)
     return None
 
 

@@ -44,15 +44,15 @@ STEPS, EVERY = 30, 10
 def trial(root: Path, mode: str, index: int, cluster: EmulatedCluster | None, reference: Any, limit: float,
           rng: random.Random) -> dict[str, Any]:
     config = faults.prepare(root / f"{mode}-{index}", faults.training_args(STEPS, EVERY, timeout_s=60))
-    kill_after = rng.randint(EVERY + 1, 2 * EVERY - 1)
+    kill_after = rng.randint(EVERY + 1, 2 * EVERY - 3)  # after one checkpoint, well before the next
     job = faults.start(config, cluster, 1, root / f"{mode}-{index}.log", port=faults.RDZV_PORT + index)
     row: dict[str, Any] = {"mode": mode, "trial": index, "kill_after_step": kill_after, "resume_s": None}
     if not faults.wait_for_step(job, kill_after, limit):
         row["outcome"] = faults.judge(job, faults.wait_to_end(job, limit), STEPS, reference) + " (before the kill)"
         return row
-    step_at_kill = faults.last_step(job.run_dir)
-    os.kill(job.worker_pids()[1], signal.SIGKILL)
-    row["resume_s"] = faults.wait_for_resume(job, step_at_kill, limit)
+    pids = job.worker_pids()
+    os.kill(pids[1], signal.SIGKILL)
+    row["resume_s"] = faults.wait_for_resume(job, pids.get(0), limit)
     row["outcome"] = faults.judge(job, faults.wait_to_end(job, limit), STEPS, reference)
     row["total_s"] = time.monotonic() - job.started
     return row

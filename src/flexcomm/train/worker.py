@@ -3,8 +3,9 @@
 The rank learns who it is from the environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as under ``torchrun``, and joins the
 job with :func:`flexcomm.init_process_group` (``env://``, safe across torchrun's
-restarts): gloo on CPU, NCCL when CUDA is available.  Nothing assumes the ranks share a machine except the run directory, which
-every rank reads its config from and writes its checkpoint to.
+restarts): gloo on CPU, NCCL when CUDA is available.  Nothing assumes the ranks share a
+machine except the run directory, which every rank reads its config from and writes its
+checkpoint to.  ``kill -USR1`` prints a rank's Python stacks to its stderr.
 
 Rank 0 writes the logs (see :mod:`flexcomm.train.records`), ``data.json`` (partition
 sizes and per-rank label histograms) and ``summary.json``, and shows the progress bar.
@@ -14,9 +15,11 @@ A rank that fails writes ``error-rank<r>.json`` so the launcher can say why.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flexcomm.train.worker", description="One rank of flexcomm-train.")
     parser.add_argument("config", type=Path, help="the run's config.json, written by flexcomm-train")
     config_path = parser.parse_args(argv).config
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr and carries on: where
+    # a stuck rank waits, without a debugger (the chaos benchmark records fault points so).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = TrainConfig.load(config_path)
     me = Identity.from_env()
     try:

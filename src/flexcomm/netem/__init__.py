@@ -6,7 +6,15 @@ namespace behind a tbf-shaped bridge, with a real one-way delay per link
 (netem, or the user-space switch in :mod:`flexcomm.netem.delay` where the
 kernel lacks netem), and ``ScheduleRunner`` changes rate and delay at each
 phase boundary while the job runs. Call ``netem_available()`` to find
-out (and say why not) before trying.
+out (and say why not) before trying. ``flexcomm-netem`` (:mod:`.cli`) runs any
+training command that way.
+
+Modules by role: :mod:`.schedule` (the schedule language), :mod:`.commands`
+(``ip``/``tc`` wrappers, availability), :mod:`.topology` (namespaces, veths,
+neighbours, qdiscs), :mod:`.delay` / :mod:`.delay_control` (the delay switch
+process and the cluster's side of it), :mod:`.cleanup` (signals, atexit, stale
+namespaces), :mod:`.runner` (walking a schedule), :mod:`.cluster` (the cluster
+that composes them), :mod:`.cli` (``flexcomm-netem``).
 """
 
 from .cleanup import cleanup_stale

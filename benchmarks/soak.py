@@ -3,23 +3,27 @@
     sudo .venv/bin/python benchmarks/soak.py                 # 20 minutes (the issue's minimum)
     sudo .venv/bin/python benchmarks/soak.py --minutes 2     # a short check
 
-Starts ``flexcomm-train`` (ResNet-18 x0.125, flex exchange, 4 emulated hosts, a schedule
-that cycles 1 Gbit -> 50 Mbit -> 200 Mbit -> 20 Mbit), samples every rank's resident
-memory (VmRSS from /proc) every few seconds, and stops the job with SIGTERM after the
-time is up (the launcher then stops the ranks and removes the emulated network).
-Writes ``benchmarks/results/soak.csv`` (memory samples), ``soak.json`` (steps completed,
-memory growth per rank, errors) and ``soak.png``.
+Starts ``flexcomm-train`` with the adaptive engine on (ResNet-18 x0.125, ``--compressor
+flex --density auto``, 4 emulated hosts, a schedule that cycles 1 Gbit -> 50 Mbit ->
+200 Mbit -> 20 Mbit), samples every rank's resident memory (VmRSS from /proc) every few
+seconds, and stops the job with SIGTERM after the time is up (the launcher then stops the
+ranks and removes the emulated network).  Then checks the step records: every step once,
+in order, with a finite loss.  Writes ``benchmarks/results/soak.csv`` (memory samples),
+``soak.json`` (steps, records check, densities and exchanges chosen, memory growth per
+rank, errors, the code's commit) and ``soak.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import matplotlib
@@ -50,13 +54,17 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples")
     parser.add_argument("--out", type=Path, default=RESULTS / "runs" / "soak")
+    parser.add_argument("--commit", default=_head(), help="the commit of the code under test, for soak.json "
+                        "(default: this checkout's HEAD)")
     args = parser.parse_args()
     if args.out.exists():
         subprocess.run(["rm", "-rf", str(args.out)], check=True)
     train = Path(sys.executable).with_name("flexcomm-train")
-    argv = [str(train), "--model", "resnet18", "--nproc", "4", "--compressor", "flex", "--density", "0.01",
-            "--net", SCHEDULE, "--steps", "1000000", "--eval-every", "500", "--test-subset", "500",
-            "--checkpoint-every", "500", "--timeout", "120", "--no-report", "--out", str(args.out)]
+    argv = [str(train), "--model", "resnet18", "--nproc", "4", "--compressor", "flex", "--density", "auto",
+            # The density controller decides every 20 steps after 20 dense ones: many decisions in the soak.
+            "--auto-warmup", "20", "--auto-every", "20",
+            "--net", SCHEDULE, "--steps", "1000000", "--eval-every", "100", "--test-subset", "500",
+            "--checkpoint-every", "100", "--timeout", "120", "--no-report", "--out", str(args.out)]
     started = time.monotonic()
     # The job's output goes to a file: a pipe nobody reads fills up after ~64 KB of progress
     # bars and blocks the ranks mid-step (seen in the first soak attempt).
@@ -115,10 +123,31 @@ def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashe
         "steps_completed": _steps(args.out),
         "ended_by": "the job itself (error)" if crashed else "SIGTERM after the time limit",
         "rate_changes_applied": len(json.loads(network.read_text()).get("changes", [])) if network.exists() else None,
+        "commit": args.commit,
+        "records": _check_records(read_records(args.out)),
         "memory_per_rank": growth,
         "errors": sorted(p.name for p in args.out.glob("error-rank*.json")),
         "launcher_output_tail": output[-2000:].split("\r")[-1],
     }
+
+
+def _check_records(records: list[dict]) -> dict:
+    """Every step logged once, in order, with a finite loss; which densities and exchanges the engine chose."""
+    steps = [r["step"] for r in records]
+    exchanges = Counter(e for r in records for e in r.get("exchanges", []))
+    return {
+        "complete": steps == list(range(len(steps))),
+        "repeated_steps": len(steps) - len(set(steps)),
+        "missing_steps": len(set(range(max(steps, default=-1) + 1)) - set(steps)),
+        "nonfinite_loss_steps": [r["step"] for r in records if not math.isfinite(r["loss"])],
+        "densities_used": sorted({r["density"] for r in records}),
+        "exchanges_used": dict(exchanges),
+    }
+
+
+def _head() -> str | None:
+    done = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
 
 
 def _plot(samples: list[dict[str, float]], summary: dict) -> None:
@@ -128,7 +157,7 @@ def _plot(samples: list[dict[str, float]], summary: dict) -> None:
         ax.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], label=f"rank {rank}")
     ax.set_xlabel("minutes")
     ax.set_ylabel("resident memory (MB)")
-    ax.set_title(f"soak: 4 ranks, flex, changing bandwidth; {summary['steps_completed']} steps")
+    ax.set_title(f"soak: 4 ranks, flex + density auto, changing bandwidth; {summary['steps_completed']} steps")
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "soak.png", dpi=120)

@@ -28,7 +28,6 @@ Writes ``benchmarks/results/chaos.{csv,json,png}``.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -48,6 +47,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import faults  # noqa: E402
 
 from flexcomm.netem import EmulatedCluster  # noqa: E402
@@ -228,10 +228,7 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     faults.RESULTS.mkdir(exist_ok=True)
     fields = ["fault", "trial", "victim", "at_step", "phase", "detail", "outcome", "restarted", "resume_s", "total_s",
               "error"]
-    with open(faults.RESULTS / "chaos.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    common.write_csv(faults.RESULTS / "chaos.csv", [{k: r.get(k) for k in fields} for r in rows])
     summary = _summary(rows, args)
     (faults.RESULTS / "chaos.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(rows)

@@ -17,7 +17,6 @@ different model: a silent wrong result), ``error`` (non-zero exit, every rank en
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -112,17 +111,9 @@ def start(config: Path, cluster: EmulatedCluster | None, max_restarts: int, log_
     return Job(config, agents, log)
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / RECORDS_FILE
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.endswith("}")]  # a line being written is skipped
-
-
 def last_step(run_dir: Path) -> int:
     """The last step rank 0 logged (-1: none yet)."""
-    done = records(run_dir)
+    done = read_records(run_dir)
     return done[-1]["step"] if done else -1
 
 
@@ -188,7 +179,7 @@ def judge(job: Job, ended: bool, steps: int, reference: dict[str, torch.Tensor])
         return "hang"
     if job.returncode() != 0:
         return "error"
-    logged = [r["step"] for r in records(job.run_dir)]
+    logged = [r["step"] for r in read_records(job.run_dir)]
     model = final_model(job.run_dir)
     same = model is not None and model.keys() == reference.keys() and all(
         torch.equal(model[k], reference[k]) for k in reference

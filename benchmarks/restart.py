@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import os
 import random
@@ -34,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import faults  # noqa: E402
 
 from flexcomm.netem import EmulatedCluster  # noqa: E402
@@ -82,10 +82,8 @@ def main() -> None:
                         print((root / f"{mode}-{i}.log").read_text()[-3000:], flush=True)
     summary = summarize(rows, args)
     faults.RESULTS.mkdir(exist_ok=True)
-    with open(faults.RESULTS / "restart.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mode", "trial", "kill_after_step", "outcome", "resume_s", "total_s"])
-        writer.writeheader()
-        writer.writerows(rows)
+    columns = ("mode", "trial", "kill_after_step", "outcome", "resume_s", "total_s")
+    common.write_csv(faults.RESULTS / "restart.csv", [{k: r.get(k) for k in columns} for r in rows])
     (faults.RESULTS / "restart.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(rows, summary)
     print(json.dumps(summary, indent=2))

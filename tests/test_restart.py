@@ -16,8 +16,10 @@ hung in gloo's ``connectFullMesh`` or was refused).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ import pytest
 import torch
 
 import flexcomm
+from flexcomm import rendezvous
 from flexcomm.launch import rank_pids
 from flexcomm.train import checkpoint, cli
 from flexcomm.train.records import RECORDS_FILE
@@ -120,6 +123,37 @@ def test_flexcomm_train_max_restarts_resumes_bitwise(reference: Path, tmp_path: 
     assert job.returncode == 0, output
     assert "restart 1 of 1" in output and f"resuming at step {EVERY}" in output
     assert_resumed_exactly(run_dir, reference)
+
+
+def _rank_behind_an_agent(rank: int, agent_port: int, out: Path) -> None:
+    """One rank as torchrun starts it when the agent hosts the store; rank 0 comes late."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(agent_port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    if rank == 0:
+        time.sleep(2)  # rank 1 reads the dead attempt's address first
+    flexcomm.init_process_group("gloo", timeout=30)
+    total = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(total)
+    torch.distributed.destroy_process_group()
+    (out / f"rank{rank}").write_text(str(total.item()))
+
+
+def test_a_restarted_rank_skips_the_dead_attempts_store_address(tmp_path: Path) -> None:
+    """The agent's store still names the store of an attempt whose rank 0 is dead: rank 1
+    must not wait on it but find this attempt's store once rank 0 publishes it."""
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with socket.socket() as dead:  # a port nobody listens on any more
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+    agent.set(rendezvous.STORE_ADDRESS_KEY, f"127.0.0.1:{dead_port}")
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_rank_behind_an_agent, args=(r, agent.port, tmp_path)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["3.0", "3.0"]
 
 
 def test_init_process_group_takes_rank_and_world_from_the_environment() -> None:

@@ -3,12 +3,20 @@
     python benchmarks/e2e.py [--budget-min 30] [--target-frac 0.95] [--alt-target-frac 0.9] [--dry-run]
 
 Every run is ``flexcomm-train`` on Fashion-MNIST (first 10,000 training samples, 1,000 test
-samples, evaluation every 50 steps, seed 0, batch 32 per rank) over emulated hosts whose link
+samples, evaluation every 50 steps, seed 0 unless said, batch 32 per rank) over emulated hosts whose link
 follows a bandwidth schedule that starts with training (see ``runs.py``: ResNet-18 and ViT
 ``1gbit:8s,30mbit:20s,200mbit``, AlexNet ``1gbit:3s,30mbit:8s,200mbit``), for a fixed number
 of steps (no early stop), so every run of a model does the same work.  Groups, in priority
 order (optional groups are dropped, last first, when the budget would be exceeded):
 
+0. Seeds: ResNet-18 x0.125, 2 ranks, 400 steps, seeds 1, 2, 3, run seed by seed: dense,
+   static densities (flex 0.1 and 0.01, AG-Topk 0.01: the fastest static setting of the
+   seed-0 group below) and flex with
+   ``density=auto`` (``--auto-warmup 20 --auto-every 10``, the controller's default rule
+   ``near-fastest``).  Per seed: target = 0.95 x that seed's dense best; reported as mean and
+   spread (min-max) over seeds: time to target, final accuracy, auto's time to target over the
+   fastest static setting's, auto's final accuracy minus dense's (``e2e_seeds.csv``,
+   ``e2e_seeds.md``, ``e2e_seeds.png``).
 1. ResNet-18 x0.125, 2 ranks, 400 steps: dense, fp16, PowerSGD rank 1 and 4, AG-Topk 0.01,
    MSTopk 0.01, AR-Topk STAR 0.1 / 0.01 / 0.001, VAR 0.01, flex 0.01, STAR density=auto.
 2. Non-IID: ResNet-18, 4 ranks, Dirichlet(0.1) label skew, 300 steps: VAR vs STAR at 0.01.
@@ -17,7 +25,7 @@ order (optional groups are dropped, last first, when the budget would be exceede
 5. (optional) AlexNet x0.125, 2 ranks, 500 steps: the same five.
 
 Target accuracy: ``--target-frac`` (0.95) of the best accuracy of the dense run of the same
-model and rank count (rounded down to 0.1 pp); the non-IID group uses ResNet-18 2-rank's.
+model, rank count and seed (rounded down to 0.1 pp); the non-IID group uses ResNet-18 2-rank's.
 0.95 rather than a looser fraction because dense reaches 0.9x its best already in the first
 (1 Gbit/s) phase, where the network does not matter; time to ``--alt-target-frac`` (0.9)
 x best is reported alongside.
@@ -39,12 +47,22 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
+import e2e_seeds  # noqa: E402
 import runs  # noqa: E402
 from common import write_csv  # noqa: E402
 from runs import RESULTS, Run, Spec, fmt, load, mbytes, metrics  # noqa: E402
 from flexcomm.train.report import draw_leader_shares  # noqa: E402
 
 FLEXCOMM = ("agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
+SEEDS = (1, 2, 3)
+#: (compressor, density) of the seeded comparison; dense first (it sets each seed's target).
+SEEDED = (("dense", None), ("flex", "0.1"), ("flex", "0.01"), ("agtopk", "0.01"), ("flex", "auto"))
+SEEDED_GROUP = "resnet18 2 ranks, seeds"
+
+
+def seeded() -> list[Spec]:
+    """Seed by seed, so a cut-short run set still holds whole seeds."""
+    return [Spec("resnet18", c, d, seed=seed, auto_every=10, auto_warmup=20) for seed in SEEDS for c, d in SEEDED]
 
 
 def resnet_2() -> list[Spec]:
@@ -81,6 +99,7 @@ def small(model: str) -> list[Spec]:
 
 
 GROUPS: list[tuple[str, Any, bool]] = [  # name, specs, optional
+    (SEEDED_GROUP, seeded, False),
     ("resnet18 2 ranks", resnet_2, False),
     ("resnet18 4 ranks non-IID", noniid, False),
     ("resnet18 4 ranks", resnet_4, True),
@@ -131,13 +150,13 @@ def main() -> None:
 def report(groups: list[tuple[str, list[Spec]]], dropped: list[str], frac: float, alt_frac: float) -> None:
     loaded = {name: [r for r in (load(s) for s in specs) if r is not None] for name, specs in groups}
     # Targets: the dense run of the same model and rank count.
-    dense = {(r.spec.model, r.spec.nproc): r for rs in loaded.values() for r in rs
+    dense = {(r.spec.model, r.spec.nproc, r.spec.seed): r for rs in loaded.values() for r in rs
              if r.spec.compressor == "dense" and r.spec.partition == "iid"}
     targets = {key: runs.target_from(run, frac) for key, run in dense.items()}
     alt_targets = {key: runs.target_from(run, alt_frac) for key, run in dense.items()}
 
-    def key_of(run: Run) -> tuple[str, int]:
-        return (run.spec.model, run.spec.nproc if run.spec.partition == "iid" else 2)
+    def key_of(run: Run) -> tuple[str, int, int]:
+        return (run.spec.model, run.spec.nproc if run.spec.partition == "iid" else 2, run.spec.seed)
 
     def target_of(run: Run) -> float | None:
         return targets.get(key_of(run))
@@ -147,12 +166,13 @@ def report(groups: list[tuple[str, list[Spec]]], dropped: list[str], frac: float
     write_csv(RESULTS / "e2e.csv", rows, float_format=".6g")
     ratios = headline(loaded.get("resnet18 2 ranks", []), target_of)
     write_md(rows, loaded, dropped, frac, alt_frac, targets, ratios)
-    plot_accuracy(loaded, target_of)
-    plot_phases(loaded)
+    single = {name: rs for name, rs in loaded.items() if name != SEEDED_GROUP}  # seeds: e2e_seeds.png
+    plot_accuracy(single, target_of)
+    plot_phases(single)
     plot_leaders(loaded.get("resnet18 4 ranks non-IID", []))
-    for line in ratios:
+    for line in ratios + e2e_seeds.summarize(loaded.get(SEEDED_GROUP, []), target_of):
         print(line)
-    print(f"wrote {RESULTS / 'e2e.csv'}, e2e.md, e2e_accuracy.png, e2e_phases.png, e2e_leaders.png")
+    print(f"wrote {RESULTS / 'e2e.csv'}, e2e.md, e2e_accuracy.png, e2e_phases.png, e2e_leaders.png, e2e_seeds.*")
 
 
 def headline(rs: list[Run], target_of: Any) -> list[str]:
@@ -213,7 +233,7 @@ def write_md(rows: list[dict[str, Any]], loaded: dict[str, list[Run]], dropped: 
             "fixed step budget, evaluation every 50 steps. Emulated hosts (veth + tbf), bandwidth schedule "
             "(starts with training): " + "; ".join(f"{m}: `{s}`" for m, s in schedules) + ".", "",
             f"Target accuracy = {frac:g} x the dense run's best accuracy (same model and rank count; the non-IID group "
-            "uses ResNet-18 2-rank's): " + ", ".join(f"{m} {n} ranks: {fmt(t, '.3f')}" for (m, n), t in targets.items())
+            "uses ResNet-18 2-rank's): " + ", ".join(f"{m} {n} ranks seed {seed}: {fmt(t, '.3f')}" for (m, n, seed), t in targets.items())
             + f" (looser target: {alt_frac:g} x best, second column). Time to target = training time (sum of "
             "step times, evaluation excluded) to the first evaluation at or above it. Step time per phase: steps "
             "placed by their midpoint on the run's wall clock and the applied "

@@ -35,9 +35,11 @@ received in the same collective, so every rank decides alike:
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -100,6 +102,12 @@ class StepPlanner:
         self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting))
         self._log = StepLog()
         self._pending: list[LocalSample] = []
+        # Wall time between consecutive steps' first buckets (a whole iteration), and the agreed
+        # median of recent ones: what the exchanges' simulation leaves out (forward, the
+        # backward before the first bucket, the optimizer) is this minus the simulated part.
+        self._last_begin: float | None = None
+        self._periods: list[float] = []
+        self.step_period: float | None = None
         #: ``(exchange, predicted, measured)`` seconds (blocking work + collectives) of every agreed bucket
         #: exchange, newest last: how far the model is from what it then measured.
         self.prediction_log: deque[tuple[str, float, float]] = deque(maxlen=PREDICTION_LOG)
@@ -130,6 +138,10 @@ class StepPlanner:
         if not self.estimating:
             return
         self._pending += self._log.close()
+        now = perf_counter()
+        if self._last_begin is not None:
+            self._periods.append(now - self._last_begin)
+        self._last_begin = now
         learned = False
         if self.probed_at is None or step - self.probed_at >= self.probe_every:
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
@@ -192,21 +204,31 @@ class StepPlanner:
     def _update_density(self, step: int) -> None:
         """The controller's decision on the last agreed gains and the predicted step time of every candidate."""
         assert self.controller is not None and self._gains is not None
-        seconds = [self.chooser.step_seconds(c, self.world_size, self.exchange) for c in self.controller.candidates]
-        if all(math.isfinite(t) for t in seconds):
-            self.controller.update(step, self._gains, seconds)
+        world = self.world_size
+        simulated = [self.chooser.step_seconds(c, world, self.exchange) for c in self.controller.candidates]
+        if not all(math.isfinite(t) for t in simulated):
+            return
+        # Whole steps, so that the controller's slack is a share of the step, not of its exchanges.
+        now = self.chooser.step_seconds(self.density, world, self.exchange)
+        rest = max(0.0, self.step_period - now) if self.step_period is not None else 0.0
+        self.controller.update(step, self._gains, [rest + t for t in simulated])
 
     def _agree_on_measurements(self) -> None:
         """Feed every rank the same step samples (see :mod:`flexcomm.control.step_log`).
 
-        One allreduce(MAX) carries all: service and gap negated (-max(-t) = min t), block as is.
+        One allreduce(MAX) carries all: service and gap negated (-max(-t) = min t), block and the
+        median step period (the slowest rank's) as they are.
         """
         samples = sorted(self._pending, key=lambda s: (s.step, s.bucket))
         self._pending = []
         n = len(samples)
-        agreed = allreduce_floats([-s.service for s in samples] + [-s.gap for s in samples] + [s.block for s in samples],
-                                  self.group, dist.ReduceOp.MAX)
-        service, gap, block = [-t for t in agreed[:n]], [-t for t in agreed[n:2 * n]], agreed[2 * n:]
+        period = statistics.median(self._periods) if self._periods else 0.0
+        self._periods = []
+        agreed = allreduce_floats([-s.service for s in samples] + [-s.gap for s in samples] + [s.block for s in samples]
+                                  + [period], self.group, dist.ReduceOp.MAX)
+        service, gap, block = [-t for t in agreed[:n]], [-t for t in agreed[n:2 * n]], agreed[2 * n:3 * n]
+        if agreed[-1] > 0.0:
+            self.step_period = agreed[-1]
         # The collectives' own times are clean network samples (the raw ones counted queueing).
         self.chooser.estimator.observe_all(s.observation._replace(seconds=t) for s, t in zip(samples, service))
         last = samples[-1].step

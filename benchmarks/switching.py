@@ -85,10 +85,9 @@ def _last_choice(state: Any) -> str:
     return records[-1].exchange if records else "?"
 
 
-def _flex_predictions(state: Any, numel: int, density: float, world: int) -> dict[str, float]:
-    """What flex's model predicts now for each exchange (compression time included)."""
-    choice = state.chooser.choose(0, numel, density, world, 4)
-    return {k: float(v) for k, v in choice.predicted.items()}
+def _flex_predictions(state: Any, density: float, world: int) -> dict[str, float]:
+    """What flex's model predicts now for each exchange of the (one) bucket: blocking local work + communication."""
+    return {e: float(state.chooser.predicted(0, e, density, world)) for e in STATIC}
 
 
 def _run_case(cfg: dict[str, Any], numel: int, density: float, grad: Any, dense: tuple[Any, Any],
@@ -125,7 +124,7 @@ def _run_case(cfg: dict[str, Any], numel: int, density: float, grad: Any, dense:
             common.progress()
         rnd += 1
     flex_state = models["flex"][1]
-    predicted = _flex_predictions(flex_state, numel, density, world)
+    predicted = _flex_predictions(flex_state, density, world)
     params = flex_state.chooser.params
     del models
     gc.collect()
@@ -177,7 +176,7 @@ def loopback_worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 choices.append(_last_choice(models["flex"][1]))
             common.progress()
     return {"samples": samples, "flex_choices": choices,
-            "flex_predicted": _flex_predictions(models["flex"][1], numel, density, world)}
+            "flex_predicted": _flex_predictions(models["flex"][1], density, world)}
 
 
 def worker_main(cfg: dict[str, Any]) -> None:

@@ -64,8 +64,9 @@ def steps_logged(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def kill_rank_after(job: subprocess.Popen[str], run_dir: Path, steps: int, rank: int = 1) -> None:
-    """SIGKILL ``rank`` once rank 0 has logged ``steps`` steps."""
+def kill_rank_after(job: subprocess.Popen[str], run_dir: Path, steps: int, rank: int = 1,
+                    sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``rank`` once rank 0 has logged ``steps`` steps."""
     deadline = time.monotonic() + JOB_TIMEOUT
     while steps_logged(run_dir) < steps:
         if job.poll() is not None:
@@ -74,7 +75,7 @@ def kill_rank_after(job: subprocess.Popen[str], run_dir: Path, steps: int, rank:
         time.sleep(0.2)
     victim = rank_pids("flexcomm.train.worker", str(run_dir / "config.json")).get(rank)
     assert victim is not None
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
 
 
 def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -119,6 +120,21 @@ def test_flexcomm_train_max_restarts_resumes_bitwise(reference: Path, tmp_path: 
     run_dir = tmp_path / "killed"
     job = flexcomm_train(run_dir)
     kill_rank_after(job, run_dir, KILL_AFTER)
+    output = job.communicate(timeout=JOB_TIMEOUT)[0]
+    assert job.returncode == 0, output
+    assert "restart 1 of 1" in output and f"resuming at step {EVERY}" in output
+    assert_resumed_exactly(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_flexcomm_train_restarts_after_a_stopped_rank_times_out(reference: Path, tmp_path: Path) -> None:
+    """SIGSTOP, not a crash: the peer fails at the process-group timeout, the launcher stops
+    every rank (the stopped one too) and restarts the group, which resumes bitwise."""
+    run_dir = tmp_path / "stopped"
+    argv = [sys.executable, "-m", "flexcomm.train.cli", *ARGS, "--out", str(run_dir), "--max-restarts", "1"]
+    argv[argv.index("--timeout") + 1] = "15"
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_rank_after(job, run_dir, KILL_AFTER, sig=signal.SIGSTOP)
     output = job.communicate(timeout=JOB_TIMEOUT)[0]
     assert job.returncode == 0, output
     assert "restart 1 of 1" in output and f"resuming at step {EVERY}" in output

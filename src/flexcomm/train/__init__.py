@@ -12,6 +12,7 @@ Modules, in the order a run meets them:
 * :mod:`~flexcomm.train.checkpoint` -- per-rank atomic checkpoints and exact resume;
 * :mod:`~flexcomm.train.records` -- ``records.jsonl`` and ``summary.json``;
 * :mod:`~flexcomm.train.report` -- ``flexcomm-report``: plots and a Markdown table;
+* :mod:`~flexcomm.train.demo` -- ``flexcomm-demo``: dense DDP and flexcomm side by side on a changing link;
 * :mod:`~flexcomm.train.models` -- the models;
 * :mod:`~flexcomm.train.datasets` -- data sources (IDX, npz, image folders, synthetic) and tensors;
 * :mod:`~flexcomm.train.partition` -- splitting samples among ranks (IID, Dirichlet).

@@ -1,6 +1,6 @@
 """``flexcomm-train``: data-parallel training with a flexcomm (or PyTorch) DDP comm hook.
 
-With no arguments it runs the README's demo: 2 ranks train a narrow ResNet-18 for two
+With no arguments, 2 ranks train a narrow ResNet-18 for two
 epochs on a Fashion-MNIST subset with AR-Topk (STAR) at density 0.01, over an emulated network
 whose bandwidth drops from 1 Gbit/s to 100 Mbit/s after 20 s (plain loopback where
 emulation is unavailable), then writes the report.

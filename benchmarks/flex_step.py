@@ -103,8 +103,10 @@ def worker_main(cfg: dict[str, Any]) -> None:
     flat = max_over_ranks([t for m in METHODS for t in local[m]])
     per = len(flat) // len(METHODS)
     predictions = [list(p) for p in flex_state.planner.prediction_log]
+    chooser, world = flex_state.chooser, flex_state.world_size
+    model = {b: {"plan": chooser.plan.get(b), **vars(chooser.costs(b, cfg["density"], world))} for b in chooser.order}
     result = {"steps": {m: flat[i * per:(i + 1) * per] for i, m in enumerate(METHODS)}, "flex_records": flex_records,
-              "predictions": predictions}
+              "predictions": predictions, "model": model}
     finish_worker(cfg, result)
 
 
@@ -145,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=2500)
     ap.add_argument("--rounds", type=int, default=6, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of the static methods")
-    ap.add_argument("--flex-settle", type=int, default=30, help="untimed steps of flex before timing")
+    ap.add_argument("--flex-settle", type=int, default=60, help="untimed steps of flex before timing")
     args = ap.parse_args(argv)
     links = args.links.split(",")
     cfg = {k: getattr(args, k) for k in ("density", "layers", "width", "rounds", "warmup", "flex_settle")}
@@ -174,6 +176,10 @@ def report(link: str, rows: Sequence[dict[str, Any]], result: dict[str, Any]) ->
     print(f"[{link}] flex / best of the others = {flex['vs_best_other']:.3f} (goal <= 1.05)")
     choices = Counter((r["bucket"], r["exchange"]) for r in result["flex_records"])
     print(f"[{link}] flex choices (bucket, exchange): count = {dict(sorted(choices.items()))}")
+    for bucket, m in result["model"].items():
+        costs = ", ".join(f"{e} {m['block'][e] * 1e3:.0f}+{m['comm'][e] * 1e3:.0f}" for e in m["comm"])
+        print(f"[{link}] flex's model, bucket {bucket} (plan {m['plan']}): block+comm ms {costs}; "
+              f"backward after it {m['gap'] * 1e3:.0f} ms")
 
 
 def print_errors(predictions: Sequence[dict[str, Any]]) -> None:

@@ -31,9 +31,10 @@ of sparse exchanges (0 before any: optimistic, so a sparse choice gets tried and
 Exploration: the plan's own choices are measured at every step; an alternative is only
 measured when it is tried.  Every ``explore_every`` steps one bucket (by the step counter)
 runs its least recently measured alternative -- if the model predicts the step with that
-alternative within ``explore_margin`` of the plan's, so a wrong model corrects itself
-within ``explore_every * buckets * 2`` steps at a bounded price and clearly worse choices
-(dense on a slow link) are never tried.
+alternative within ``explore_margin`` (50%) of the plan's, or, for an alternative never
+measured on that bucket, within ``2 * explore_margin + 1`` (3x the plan's step): a wrong
+model corrects itself within ``explore_every * buckets * 2`` steps at a bounded price, and
+clearly worse choices (dense on a slow link) are never tried.
 
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """
@@ -226,9 +227,14 @@ class ExchangeChooser:
         bucket = self.order[position]
         costs = self.step_costs(density, world)
         planned = [self.plan[b] for b in self.order]
-        limit = simulate_step(costs, planned) * (1.0 + self.explore_margin)
-        cheap = [e for e in EXCHANGE_ORDER if e != self.plan[bucket]
-                 and simulate_step(costs, planned[:position] + [e] + planned[position + 1:]) <= limit]
+        now = simulate_step(costs, planned)
+
+        def worth_a_try(e: str) -> bool:
+            # A model that never saw e run here may be far off: a wider margin, once.
+            margin = self.explore_margin if (bucket, e) in self._measured_at else 2.0 * self.explore_margin + 1.0
+            return simulate_step(costs, planned[:position] + [e] + planned[position + 1:]) <= now * (1.0 + margin)
+
+        cheap = [e for e in EXCHANGE_ORDER if e != self.plan[bucket] and worth_a_try(e)]
         if not cheap:
             return None
         return bucket, min(cheap, key=lambda e: (self._measured_at.get((bucket, e), -1), EXCHANGE_ORDER.index(e)))

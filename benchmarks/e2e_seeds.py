@@ -83,7 +83,7 @@ def summarize(rs: Sequence[Run], target_of: Callable[[Run], float | None]) -> li
     ratios = auto_ratios(table)
     write_csv(RESULTS / "e2e_seeds.csv", rows, float_format=".6g")
     lines = headline(rows, ratios)
-    write_md(rows, ratios, lines, table)
+    write_md(rs, rows, ratios, lines, table)
     plot(rows)
     return lines
 
@@ -112,7 +112,7 @@ def headline(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]]) -
     return lines
 
 
-def write_md(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]], lines: Sequence[str],
+def write_md(rs: Sequence[Run], rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]], lines: Sequence[str],
              table: dict[int, dict[str, dict[str, Any]]]) -> None:
     def cell(r: dict[str, Any], key: str, spec: str) -> str:
         return f"{fmt(r[key + '_mean'], spec)} ({fmt(r[key + '_min'], spec)}-{fmt(r[key + '_max'], spec)})"
@@ -127,7 +127,7 @@ def write_md(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]], l
                   fmt(r["fastest_static_ttt_s"], ".1f"), fmt(r["auto_ttt_s"], ".1f"), fmt(r["auto_over_fastest"], ".2f"),
                   f"{r['auto_minus_dense_final_pp']:+.1f}"] for r in ratios]
     text = ["# End-to-end over seeds: density=auto vs dense and static densities", "",
-            "ResNet-18 x0.125, 2 ranks, 400 steps, schedule `1gbit:8s,30mbit:20s,200mbit`, seeds "
+            f"ResNet-18 x0.125, 2 ranks, {rs[0].spec.n_steps} steps, schedule `{rs[0].spec.schedule}`, seeds "
             + ", ".join(str(s) for s in sorted(table)) + " (see `e2e.py`; run directories `resnet18-n2-iid-*-s<seed>-*`). "
             "Target per seed = 0.95 x that seed's dense best accuracy; time to target = training time to the first "
             "evaluation at or above it (evaluations every 50 steps).", "",

@@ -3,6 +3,7 @@ complete, bitwise-correct run or in a clear error, never in a hang or a silent w
 
     sudo .venv/bin/python benchmarks/chaos.py                    # 3 trials of each fault
     sudo .venv/bin/python benchmarks/chaos.py --trials 1 --faults kill,link-down
+    sudo .venv/bin/python benchmarks/chaos.py --max-restarts 0 --faults stop,kill --trials 2 --name chaos_no_restart
 
 Every trial runs the small job of ``benchmarks/faults.py`` across two emulated hosts
 under torchrun (one agent per host, ``--max-restarts 1``, process-group timeout
@@ -22,6 +23,8 @@ and the main thread's innermost flexcomm/torch frames name the phase (backward, 
 collectives, checkpoint, ...).  A stopped rank stays stopped: its peers must fail at the
 process-group timeout and torchrun must then stop and restart the group.  Outcomes are
 judged as in ``faults.judge``; a trial still running after ``--limit`` seconds is a hang.
+With ``--max-restarts 0`` a fault that stops the job must end it in an error that every
+rank still alive reports (its ``error-rank<r>.json``), soon after the process-group timeout.
 Writes ``benchmarks/results/chaos.{csv,json,png}``.
 """
 
@@ -52,6 +55,7 @@ import faults  # noqa: E402
 
 from flexcomm.netem import EmulatedCluster  # noqa: E402
 from flexcomm.train import checkpoint  # noqa: E402
+from flexcomm.train.worker import error_file  # noqa: E402
 
 STEPS, EVERY = 30, 10
 #: How faulthandler heads each thread's stack.
@@ -159,7 +163,7 @@ def trial(root: Path, kind: str, index: int, cluster: EmulatedCluster, reference
     name = f"{kind}-{index}"
     config = faults.prepare(root / name, faults.training_args(STEPS, EVERY, timeout_s=args.pg_timeout))
     job_log = root / f"{name}.log"
-    job = faults.start(config, cluster, 1, job_log, port=faults.RDZV_PORT + 100 + index)
+    job = faults.start(config, cluster, args.max_restarts, job_log, port=faults.RDZV_PORT + 100 + index)
     at_step = rng.randint(2, EVERY - 2) if kind.endswith("checkpoint") else rng.randint(EVERY + 1, STEPS - 6)
     victim = rng.randint(0, 1)
     row: dict[str, Any] = {"fault": kind, "trial": index, "victim": victim, "at_step": at_step}
@@ -172,11 +176,16 @@ def trial(root: Path, kind: str, index: int, cluster: EmulatedCluster, reference
     restarted = faults.wait_for_resume(job, rank0, args.limit) is not None
     row["resume_s"] = time.monotonic() - hit if restarted else None  # fault -> first resumed step
     row["outcome"] = faults.judge(job, faults.wait_to_end(job, args.limit), STEPS, reference)
+    row["ended_s"] = time.monotonic() - hit  # fault -> every agent exited
     row["restarted"] = restarted
     row["phase"] = phase_at_fault(job_log) if kind.startswith(("kill", "stop")) else "-"
     row["total_s"] = time.monotonic() - job.started
     if row["outcome"] == "error":
-        row["error"] = job_log.read_text(errors="replace")[-400:].replace("\n", " | ")
+        # The ranks that lived write error-rank<r>.json (a killed or stopped rank cannot).
+        errors = {r: json.loads(p.read_text())["error"] for r in range(2) if (p := error_file(config.parent, r)).exists()}
+        row["error"] = " | ".join(f"rank {r}: {e[:160]}" for r, e in sorted(errors.items()))
+        survivors = [r for r in range(2) if not (kind.startswith(("kill", "stop")) and r == victim)]
+        row["every_survivor_reported"] = all(r in errors for r in survivors)
     return row
 
 
@@ -187,6 +196,9 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=20.0, help="the ranks' process-group timeout (seconds)")
     parser.add_argument("--limit", type=float, default=300.0, help="seconds before a trial counts as a hang")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-restarts", type=int, default=1,
+                        help="torchrun's restarts (0: every fault that stops the job must end in a clear error)")
+    parser.add_argument("--name", default="chaos", help="results file names: NAME.csv, NAME.json, NAME.png")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("chaos.py needs root (emulated hosts: network namespaces, tc)")
@@ -211,6 +223,7 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
     return {
         "command": "python benchmarks/chaos.py " + " ".join(sys.argv[1:]),
         "pg_timeout_s": args.pg_timeout,
+        "max_restarts": args.max_restarts,
         "hang_limit_s": args.limit,
         "faults_injected": len(rows),
         "outcomes": dict(Counter(r["outcome"] for r in rows)),
@@ -220,21 +233,23 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
         },
         "phases_hit": dict(Counter(r.get("phase", "-") for r in rows if r.get("phase", "-") != "-")),
         "restarted": sum(bool(r.get("restarted")) for r in rows),
+        "errors_reported_by_every_surviving_rank": sum(bool(r.get("every_survivor_reported")) for r in rows),
+        "max_fault_to_end_s_of_errors": max((r["ended_s"] for r in rows if r["outcome"] == "error"), default=None),
     }
 
 
 def _write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Results so far (rewritten after every trial, so a long run's partial results survive)."""
     faults.RESULTS.mkdir(exist_ok=True)
-    fields = ["fault", "trial", "victim", "at_step", "phase", "detail", "outcome", "restarted", "resume_s", "total_s",
-              "error"]
-    common.write_csv(faults.RESULTS / "chaos.csv", [{k: r.get(k) for k in fields} for r in rows])
+    fields = ["fault", "trial", "victim", "at_step", "phase", "detail", "outcome", "restarted", "resume_s", "ended_s",
+              "total_s", "error", "every_survivor_reported"]
+    common.write_csv(faults.RESULTS / f"{args.name}.csv", [{k: r.get(k) for k in fields} for r in rows])
     summary = _summary(rows, args)
-    (faults.RESULTS / "chaos.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(rows)
+    (faults.RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(rows, args)
 
 
-def _plot(rows: list[dict[str, Any]]) -> None:
+def _plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     kinds = list(dict.fromkeys(r["fault"] for r in rows))
     outcomes = sorted({r["outcome"] for r in rows})
     colors = {"ok": "tab:green", "error": "tab:orange", "hang": "tab:red", "wrong": "black"}
@@ -245,10 +260,10 @@ def _plot(rows: list[dict[str, Any]]) -> None:
         ax.bar(kinds, counts, bottom=bottom, label=outcome, color=colors.get(outcome, "tab:gray"))
         bottom = [b + c for b, c in zip(bottom, counts)]
     ax.set_ylabel("trials")
-    ax.set_title("chaos: one fault per run, 2 emulated hosts, torchrun --max-restarts 1")
+    ax.set_title(f"chaos: one fault per run, 2 emulated hosts, torchrun --max-restarts {args.max_restarts}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(faults.RESULTS / "chaos.png", dpi=120)
+    fig.savefig(faults.RESULTS / f"{args.name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -124,10 +124,19 @@ def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
     info = {
         "rank": rank,
         "time": time.time(),
-        "error": f"{type(exc).__name__}: {exc}",
+        "error": _describe(exc),
         "traceback": traceback.format_exc(),
     }
     error_file(run_dir, rank).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _describe(exc: BaseException) -> str:
+    """The error, with what gloo's terse timeout messages ("Application timeout caused pair
+    closure", "Timed out waiting ...") mean for the run."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+        text += " (a peer did not answer within the process-group timeout, --timeout: it stopped, hung or lost its link)"
+    return text
 
 
 def _should_resume(cfg: TrainConfig, run_dir: Path) -> bool:

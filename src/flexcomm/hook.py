@@ -39,6 +39,7 @@ The roles: :mod:`flexcomm.state` (options, step protocol, the compressor table),
 :mod:`flexcomm.exchange` (collectives per exchange), :mod:`flexcomm.comm` (collectives).
 """
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from flexcomm.exchange import EXCHANGES
-from flexcomm.state import FlexState
+from flexcomm.state import FlexState, HandedBucket
 
 _NOT_WRAPPED = (
     "flexcomm.register needs a torch.nn.parallel.DistributedDataParallel model, got {kind}: call it after the "
@@ -77,7 +78,9 @@ def register(ddp_model: DistributedDataParallel, state: FlexState | None = None,
 def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: exchange one bucket as ``state.compressor`` says.
 
-    Returns a future holding the bucket's averaged (sparse or dense) update.
+    Returns at once a future holding the bucket's averaged (sparse or dense) update: the
+    bucket's work and collectives run on the state's dispatcher thread, in bucket order
+    (see :mod:`flexcomm.comm.dispatch`), so backward never waits for the network.
     """
     grad = bucket.buffer()
     if not grad.is_floating_point():
@@ -85,7 +88,13 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.world_size == 1:
         state.advance(bucket.is_last())
         return _completed(grad)
-    job = state.prepare(bucket)
+    handed = state.hand_over(bucket)
+    return state.dispatcher.submit(partial(_exchange, state, handed))
+
+
+def _exchange(state: FlexState, handed: HandedBucket) -> torch.futures.Future[torch.Tensor]:
+    """On the dispatcher thread, in bucket order: the step protocol, then the bucket's exchange."""
+    job = state.prepare(handed)
     return EXCHANGES[job.record.exchange](job)
 
 

@@ -15,30 +15,36 @@ compressor     selector    leader policy   exchange
 
 STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
 
-The step protocol, per DDP bucket (see :meth:`FlexState.prepare`): at the first bucket
-ever, every rank compares a configuration fingerprint; at a step's first bucket the
-planner's agreement points run; the last bucket advances the step; each bucket is
-compensated (``a_i = g_i + e_i``), planned (exchange, density) and handed to its exchange
-as a :class:`~flexcomm.exchange.BucketJob`.
+The step protocol, per DDP bucket.  On the autograd thread, :meth:`FlexState.hand_over`
+only notes the bucket (its step; the last bucket advances the step) and the hook queues
+it on the state's :class:`~flexcomm.comm.Dispatcher`.  On the dispatcher's thread, in
+bucket order, :meth:`FlexState.prepare`: at the first bucket ever, every rank compares a
+configuration fingerprint; at a step's first bucket the previous step is settled (its
+device-side statistics read in one transfer) and the planner's agreement points run;
+then the bucket is planned (exchange, density), compensated (``a_i = g_i + e_i``) and
+handed to its exchange as a :class:`~flexcomm.exchange.BucketJob`.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import agree_on_config
+from flexcomm.comm import Dispatcher, agree_on_config
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, k_for, make_selector
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
+from flexcomm.compress.stats import to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
 from flexcomm.cost import Observation
 from flexcomm.exchange import BucketJob, LeaderPolicy, make_leader_policy
+from flexcomm.exchange.job import BucketRecord, DeviceOutcome
 from flexcomm.exchange.leaders import STATISTICS
 from flexcomm.version import __version__
 
@@ -66,35 +72,15 @@ COMPRESSORS = tuple(COMPRESSOR_TABLE)
 VAR_STATISTICS = STATISTICS
 
 
-@dataclass
-class BucketRecord:
-    """What one bucket's exchange did at one step.
+@dataclass(frozen=True)
+class HandedBucket:
+    """A bucket as DDP handed it over: its buffer, index, layout, step, and whether it opens the step."""
 
-    ``bytes_sent`` is the payload of the collectives this rank took part in (what the
-    backend was handed), not wire bytes, which depend on the collective's algorithm.
-    ``t_compress`` is all local work of the compressed exchange (selection, gathering the
-    values, residual update, writing the result back); ``t_exchange`` runs from the first
-    collective's launch to the last one's completion.
-    ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.  ``predicted`` is the
-    cost model's time for the chosen exchange (``flex`` only, else NaN).
-    """
-
+    grad: torch.Tensor
+    index: int
+    layout: Layout
     step: int
-    bucket: int
-    numel: int
-    exchange: str
-    k: int
-    leader: int
-    t_compress: float
-    t_exchange: float
-    bytes_sent: int
-    gain: float
-    finite: bool = True
-    predicted: float = math.nan
-    density: float = math.nan
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    opens_step: bool
 
 
 @dataclass(frozen=True)
@@ -189,10 +175,14 @@ class FlexState:
         self.step = 0
         self.memory = ResidualMemory()
         self.records: deque[BucketRecord] = deque(maxlen=max_records)
+        self.dispatcher = Dispatcher()
         self._workspaces: dict[int, TopkWorkspace] = {}
         self._in_step = False
         self._config_checked = False
         self._param_names: dict[int, str] | None = None
+        # Records whose device-side outcome is not read yet (see settle()).
+        self._unsettled: list[tuple[BucketRecord, DeviceOutcome]] = []
+        self._settle_lock = threading.Lock()
 
     @property
     def compressor(self) -> str:
@@ -228,7 +218,8 @@ class FlexState:
         return counts + [0] * (self.world_size - len(counts))
 
     def drain_records(self) -> list[BucketRecord]:
-        """Return and forget the records collected since the last call."""
+        """Return and forget the records collected since the last call (call it between steps)."""
+        self.settle()
         drained = list(self.records)
         self.records.clear()
         return drained
@@ -237,6 +228,7 @@ class FlexState:
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals, counters and smoothed statistics of this rank, for a checkpoint."""
+        self.settle()
         return {
             "format": _STATE_FORMAT,
             "compressor": self.compressor,
@@ -296,35 +288,69 @@ class FlexState:
             self.step += 1
             self._in_step = False
 
-    def prepare(self, bucket: dist.GradBucket) -> BucketJob:
-        """The step protocol for one bucket of a world of two or more ranks: returns its job."""
-        grad = bucket.buffer()
-        step = self.step
+    def hand_over(self, bucket: dist.GradBucket) -> HandedBucket:
+        """Note a bucket DDP handed over (autograd thread): no collective, no tensor work."""
+        handed = HandedBucket(bucket.buffer(), bucket.index(), self._layout(bucket), self.step, not self._in_step)
+        self._in_step = True
+        self.advance(bucket.is_last())
+        return handed
+
+    def prepare(self, handed: HandedBucket) -> BucketJob:
+        """The step protocol for one bucket (dispatcher thread, bucket order): returns its job."""
+        grad, index, step = handed.grad, handed.index, handed.step
         if not self._config_checked:
             agree_on_config(self.fingerprint(grad), self.process_group)
             self._config_checked = True
-        if not self._in_step:
+        if handed.opens_step:
+            self.settle()
             self.planner.begin_step(step)
-            self._in_step = True
-        self.advance(bucket.is_last())
-        index, layout = bucket.index(), self._layout(bucket)
-        accumulated = self.memory.compensate(index, layout, grad)
+        numel = grad.numel()
+        plan = self.planner.plan(index, numel, grad.element_size(), step)
+        dense = plan.exchange == "dense"
+        memory = self.memory
+        accumulated = memory.compensate(index, handed.layout, grad) if dense else memory.accumulate(index, handed.layout, grad)
         workspace = self._workspaces.setdefault(index, TopkWorkspace())
         if self.planner.measuring_gain:
             self.planner.observe_gain(index, accumulated, workspace)
-        plan = self.planner.plan(index, accumulated.numel(), accumulated.element_size(), step)
-        numel = accumulated.numel()
-        k = numel if plan.exchange == "dense" else k_for(numel, plan.density)
+        k = numel if dense else k_for(numel, plan.density)
         record = BucketRecord(
             step=step, bucket=index, numel=numel, exchange=plan.exchange, k=k, leader=-1, t_compress=0.0,
             t_exchange=0.0, bytes_sent=0, gain=math.nan, predicted=plan.predicted, density=plan.density,
         )
+        outcome = DeviceOutcome()
         self.records.append(record)
+        self._unsettled.append((record, outcome))
         return BucketJob(
-            accumulated=accumulated, index=index, layout=layout, k=k, step=step, group=self.process_group,
-            world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace, record=record,
-            measured=self._measured, selector=self.selector, leaders=self.leaders,
+            grad=grad, accumulated=accumulated, index=index, layout=handed.layout, k=k, step=step,
+            group=self.process_group, world_size=self.world_size, rank=self.rank, memory=memory, workspace=workspace,
+            record=record, outcome=outcome, measured=self._measured, selector=self.selector, leaders=self.leaders,
         )
+
+    def settle(self) -> None:
+        """Read the finished buckets' device-side outcomes in one transfer and apply them.
+
+        Fills the records' ``gain`` and ``finite``, feeds the leader policy the statistics
+        of finite exchanges, and lets the memory adopt (or drop) the new residuals.  Runs
+        at each step's first bucket and when records or the checkpoint state are read;
+        only buckets whose exchange finished may be pending.
+        """
+        with self._settle_lock:
+            unsettled, self._unsettled = self._unsettled, []
+            conditions = self.memory.pending()
+            tensors: list[torch.Tensor] = list(conditions.values())
+            fields = [(rec, name, value) for rec, out in unsettled
+                      for name, value in (("gain", out.gain), ("finite", out.finite), ("statistics", out.statistics))
+                      if value is not None]
+            tensors += [value for _, _, value in fields]
+            host = to_host(tensors)
+            self.memory.settle({index: bool(v[0]) for index, v in zip(conditions, host)})
+            for (rec, name, _), values in zip(fields, host[len(conditions):]):
+                if name == "gain":
+                    rec.gain = values[0]
+                elif name == "finite":
+                    rec.finite = bool(values[0])
+                elif rec.finite and self.leaders is not None:
+                    self.leaders.observe(rec.bucket, values)
 
     def _measured(self, record: BucketRecord, kind: str, nbytes: int, seconds: float) -> None:
         t_compress = None if record.exchange == "dense" else record.t_compress

@@ -1,7 +1,9 @@
 """Communication over a torch.distributed process group: collectives, agreement, probes. No compression math."""
 
 from flexcomm.comm.agreement import agree_on_config, allreduce_floats
-from flexcomm.comm.collectives import allgather, allreduce_sum, broadcast_from
+from flexcomm.comm.collectives import allgather, allreduce_sum, broadcast_from, control_device
+from flexcomm.comm.dispatch import Dispatcher
 from flexcomm.comm.probes import probe_collectives
 
-__all__ = ["agree_on_config", "allgather", "allreduce_floats", "allreduce_sum", "broadcast_from", "probe_collectives"]
+__all__ = ["Dispatcher", "agree_on_config", "allgather", "allreduce_floats", "allreduce_sum", "broadcast_from",
+           "control_device", "probe_collectives"]

@@ -18,10 +18,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from flexcomm.comm.collectives import control_device
+
 
 def allreduce_floats(values: Sequence[float], group: dist.ProcessGroup | None, op: dist.ReduceOp) -> list[float]:
     """Element-wise ``op`` (SUM, MIN or MAX) of every rank's list, in fp64; the same list on all ranks."""
-    combined = torch.tensor(list(values), dtype=torch.float64)
+    combined = torch.tensor(list(values), dtype=torch.float64, device=control_device(group))
     dist.all_reduce(combined, op=op, group=group)
     return combined.tolist()
 

@@ -1,10 +1,16 @@
 """The collectives flexcomm exchanges gradients with, over a torch.distributed group.
 
 Each function launches exactly one collective.  The ones whose result is needed before
-anything else can happen (the AR-Topk index broadcast) block; the others return a
-``torch.futures.Future`` so that DDP can overlap them with the rest of backward.
-Nothing here waits inside a future's callback: with gloo, callbacks run on the process
-group's worker threads, and a collective awaited there can starve the pool.
+anything else can happen (the AR-Topk index broadcast) block -- they are called only on
+the hook's dispatcher thread (:mod:`flexcomm.comm.dispatch`), never on the autograd
+thread; the others return a ``torch.futures.Future`` so that DDP can overlap them with
+the rest of backward.  Nothing here waits inside a future's callback: with gloo,
+callbacks run on the process group's worker threads, and a collective awaited there can
+starve the pool.
+
+Control tensors (probes, agreements) live on :func:`control_device`: the current CUDA
+device when the group's backend is NCCL (which rejects CPU tensors), the CPU otherwise
+(gloo, or a group with a CPU backend beside NCCL).
 """
 
 from __future__ import annotations
@@ -14,7 +20,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-_allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+def control_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the small control tensors of ``group``'s collectives must live (see the module docstring)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
@@ -26,7 +37,7 @@ def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torc
 def allgather(message: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     """Concatenate every rank's equally sized flat ``message``; the value is the concatenation."""
     gathered = message.new_empty(message.numel() * dist.get_world_size(group))
-    work = _allgather_single(gathered, message, group=group, async_op=True)
+    work = dist.all_gather_into_tensor(gathered, message, group=group, async_op=True)
     return work.get_future().then(_resolving_to(gathered))
 
 

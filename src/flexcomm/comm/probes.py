@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flexcomm.comm.agreement import allreduce_floats
-from flexcomm.comm.collectives import allgather, broadcast_from
+from flexcomm.comm.collectives import allgather, broadcast_from, control_device
 from flexcomm.cost import Observation
 
 
@@ -32,8 +32,10 @@ def probe_collectives(sizes: Sequence[int], group: dist.ProcessGroup | None) -> 
 
 
 def _timed(kind: str, nbytes: int, group: dist.ProcessGroup | None) -> float:
-    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    dist.all_reduce(torch.zeros(1), group=group)  # line the ranks up
+    device = control_device(group)
+    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)  # line the ranks up
+    _finish(device)
     started = perf_counter()
     if kind == "allreduce":
         dist.all_reduce(payload, group=group)
@@ -41,4 +43,11 @@ def _timed(kind: str, nbytes: int, group: dist.ProcessGroup | None) -> float:
         allgather(payload, group).wait()
     else:
         broadcast_from(payload, 0, group)
+    _finish(device)
     return perf_counter() - started
+
+
+def _finish(device: torch.device) -> None:
+    """Wait until the device ran what was queued (NCCL's wait() only orders the stream)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

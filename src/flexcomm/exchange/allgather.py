@@ -3,6 +3,10 @@
 Rank i selects indices ``I_i`` of ``|a_i|`` (exact top-k or MSTopk) and sends k values
 plus k int32 indices in one allgather; the update is ``sum_i a_i[I_i] / N`` scattered at
 the ``I_i`` (overlaps add); rank i keeps ``e_i = a_i`` with ``I_i`` zeroed.
+
+Local work over the bucket's M elements: ``a = g + e`` into the spare buffer (one pass,
+by the memory), its norm (a read), the selection (a read), zeroing the output (a write);
+everything else touches k or N*k elements.
 """
 
 from __future__ import annotations
@@ -13,22 +17,14 @@ import torch
 
 from flexcomm.comm import allgather
 from flexcomm.compress import pack, unpack_all
-from flexcomm.compress.stats import contributed_values, gain, norm_and_finiteness
+from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_and_finiteness
 from flexcomm.exchange.job import BucketJob
 
 
 def exchange_allgather(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
-    a, rec, k = job.accumulated, job.record, job.k
-    assert job.selector is not None
+    rec = job.record
     started = perf_counter()
-    norm, finite = norm_and_finiteness(a)
-    indices = job.selector(a, k, job.workspace)
-    values = contributed_values(a, indices, finite)
-    rec.gain = gain(values, norm)
-    # MSTopk may find fewer than k; pad the message with zero values at index 0 so that
-    # every rank's message has the same size (adding zeros changes nothing).
-    padding = k - indices.numel()
-    message = pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)]))
+    message, indices = contribution(job)
     rec.bytes_sent = message.numel()
     rec.t_compress = perf_counter() - started
     launched = perf_counter()
@@ -36,14 +32,32 @@ def exchange_allgather(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         done = perf_counter()
         rec.t_exchange = done - launched
-        all_values, all_indices = unpack_all(fut.value(), job.world_size, k, a.dtype)
-        rec.finite = bool(torch.isfinite(all_values).all())
-        if rec.finite:
-            job.memory.update(job.index, job.layout, a, indices)
-        a.zero_()
-        a.index_add_(0, all_indices, all_values.div_(job.world_size))
+        update = apply_update(job, indices, fut.value())
         rec.t_compress += perf_counter() - done
         job.measured(rec, "allgather", rec.bytes_sent, rec.t_exchange)
-        return a
+        return update
 
     return allgather(message, job.group).then(finish)
+
+
+def contribution(job: BucketJob) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local work before the allgather: select, gather the values (NaN if ``a_i`` is not finite), pack."""
+    a, k = job.accumulated, job.k
+    assert job.selector is not None
+    norm, finite = norm_and_finiteness(a)
+    indices = job.selector(a, k, job.workspace)
+    values = contributed_values(a, indices, finite)
+    job.outcome.gain = gain(values, norm)
+    # MSTopk may find fewer than k; pad the message with zero values at index 0 so that
+    # every rank's message has the same size (adding zeros changes nothing).
+    padding = k - indices.numel()
+    return pack(torch.cat([values, values.new_zeros(padding)]), torch.cat([indices, indices.new_zeros(padding)])), indices
+
+
+def apply_update(job: BucketJob, indices: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """Local work after the allgather: commit the residual, scatter-add every rank's values over N into the bucket."""
+    all_values, all_indices = unpack_all(gathered, job.world_size, job.k, job.accumulated.dtype)
+    job.outcome.finite = finite_update = all_finite(all_values)
+    job.memory.commit(job.index, job.layout, indices, finite_update)
+    update = job.grad.zero_()
+    return update.index_add_(0, all_indices, all_values.div_(job.world_size))

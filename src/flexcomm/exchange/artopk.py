@@ -6,6 +6,14 @@ the update is ``sum_i a_i[I] / N`` at ``I``, zero elsewhere; every rank keeps
 ``e_i = a_i`` with ``I`` zeroed.  A policy whose statistic rides along appends N slots
 to the values (rank i's statistic in slot i, zeros elsewhere), so the allreduce hands
 every rank every rank's statistic.
+
+The chain runs on the hook's dispatcher thread (:mod:`flexcomm.comm.dispatch`): the wait
+for the broadcast indices holds that thread, never backward, and the allreduce is
+issued before the next bucket's first collective on every rank.
+
+Local work over the bucket's M elements: ``a = g + e`` into the spare buffer (one pass,
+by the memory), its norm (a read), the leader's selection (a read), zeroing the output
+(a write); gathering, the residual's zeros and the scatter touch k elements.
 """
 
 from __future__ import annotations
@@ -15,33 +23,22 @@ from time import perf_counter
 import torch
 
 from flexcomm.comm import allreduce_sum, broadcast_from
-from flexcomm.compress.stats import contributed_values, gain, norm_and_finiteness
+from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_and_finiteness
 from flexcomm.exchange.job import BucketJob
 
 
 def exchange_artopk(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
-    a, rec, k, world = job.accumulated, job.record, job.k, job.world_size
-    policy, select = job.leaders, job.selector
-    assert policy is not None and select is not None
-    leader = rec.leader = policy.take(job.index, job.step, world)
+    rec = job.record
+    assert job.leaders is not None
+    leader = rec.leader = job.leaders.take(job.index, job.step, job.world_size)
     started = perf_counter()
-    norm, finite = norm_and_finiteness(a)
-    if job.rank == leader:
-        indices = select(a, k, job.workspace)
-    else:
-        indices = torch.empty(k, dtype=torch.int32, device=a.device)
+    indices, norm, finite = select_if_leader(job, leader)
     t_compress = perf_counter() - started
 
     launched = perf_counter()
     broadcast_from(indices, leader, job.group)
     broadcasted = perf_counter()
-    values = contributed_values(a, indices, finite)
-    rec.gain = gain(values, norm)
-    if policy.rides_statistic:
-        slots = values.new_zeros(world)
-        # Clamped to the dtype's range: an fp16 norm can overflow while a_i is finite.
-        slots[job.rank] = min(policy.statistic(a, norm), torch.finfo(values.dtype).max)
-        values = torch.cat([values, slots])
+    values = contribution(job, indices, norm, finite)
     rec.bytes_sent = indices.numel() * indices.element_size() + values.numel() * values.element_size()
     rec.t_compress = t_compress + perf_counter() - broadcasted
     reducing = perf_counter()
@@ -50,17 +47,45 @@ def exchange_artopk(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
         reduced = fut.value()
         done = perf_counter()
         rec.t_exchange = done - launched
-        rec.finite = bool(torch.isfinite(reduced).all())
-        if rec.finite:
-            job.memory.update(job.index, job.layout, a, indices)
-            if policy.rides_statistic:
-                policy.observe(job.index, reduced[k:].double().tolist())
-        a.zero_()
-        a[indices.long()] = reduced[:k].div_(world)
+        update = apply_update(job, indices, reduced)
         rec.t_compress += perf_counter() - done
         # Only the allreduce, timed from its own launch, is a clean network sample: a
         # non-leader's broadcast time includes its wait for the leader's top-k.
         job.measured(rec, "allreduce", values.numel() * values.element_size(), done - reducing)
-        return a
+        return update
 
     return allreduce_sum(values, job.group).then(finish)
+
+
+def select_if_leader(job: BucketJob, leader: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Local work before the broadcast: ``||a_i||``, its finiteness, and the leader's top-k (else a buffer for it)."""
+    a = job.accumulated
+    norm, finite = norm_and_finiteness(a)
+    if job.rank == leader:
+        assert job.selector is not None
+        return job.selector(a, job.k, job.workspace), norm, finite
+    return torch.empty(job.k, dtype=torch.int32, device=a.device), norm, finite
+
+
+def contribution(job: BucketJob, indices: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """What this rank allreduces: ``a_i[I]`` (NaN if ``a_i`` is not finite), then the statistic slots if any."""
+    a, policy = job.accumulated, job.leaders
+    values = contributed_values(a, indices, finite)
+    job.outcome.gain = gain(values, norm)
+    if policy is None or not policy.rides_statistic:
+        return values
+    slots = values.new_zeros(job.world_size)
+    # Clamped to the dtype's range: an fp16 norm can overflow while a_i is finite.
+    slots[job.rank] = policy.statistic(a, norm).clamp(max=torch.finfo(values.dtype).max)
+    return torch.cat([values, slots])
+
+
+def apply_update(job: BucketJob, indices: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+    """Local work after the allreduce: commit the residual, write ``sum_i a_i[I] / N`` at ``I`` into the bucket."""
+    k = job.k
+    job.outcome.finite = finite_update = all_finite(reduced)
+    if job.leaders is not None and job.leaders.rides_statistic:
+        job.outcome.statistics = reduced[k:]
+    job.memory.commit(job.index, job.layout, indices, finite_update)
+    update = job.grad.zero_()
+    return update.index_copy_(0, indices.long(), reduced[:k].div_(job.world_size))

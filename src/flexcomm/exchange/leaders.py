@@ -48,8 +48,8 @@ class LeaderPolicy:
         self.counts[leader] += 1
         return leader
 
-    def statistic(self, a: torch.Tensor, norm: float) -> float:
-        """This rank's statistic of ``a`` (only for policies whose statistic rides along)."""
+    def statistic(self, a: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """This rank's statistic of ``a``, a 0-d device tensor (only for policies whose statistic rides along)."""
         raise NotImplementedError
 
     def observe(self, bucket_index: int, statistics: list[float]) -> None:
@@ -88,7 +88,7 @@ class GradientStatistic(LeaderPolicy):
             return 0
         return max(range(len(ewma)), key=lambda r: (ewma[r], -r))
 
-    def statistic(self, a: torch.Tensor, norm: float) -> float:
+    def statistic(self, a: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         return norm if self.kind == "norm" else variance(a)
 
     def observe(self, bucket_index: int, statistics: list[float]) -> None:

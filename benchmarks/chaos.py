@@ -58,6 +58,9 @@ from flexcomm.train import checkpoint  # noqa: E402
 from flexcomm.train.worker import error_file  # noqa: E402
 
 STEPS, EVERY = 30, 10
+#: The victim ended (the run finished) before the moment the fault waited for came.
+MISSED = "the rank ended first"
+NOT_INJECTED = "not injected"
 #: How faulthandler heads each thread's stack.
 STACKS = "(most recent call first)"
 FAULTS = ("kill", "stop", "kill-collective", "stop-collective", "kill-checkpoint", "stop-checkpoint", "link-down", "1mbit")
@@ -88,15 +91,18 @@ def inject(kind: str, job: faults.Job, cluster: EmulatedCluster, victim: int, rn
             cluster.set_rate(1e9)
         return f"{seconds:.1f} s"
     pid = job.worker_pids()[victim]
-    if kind.endswith("checkpoint"):
-        _wait_for_checkpoint_write(job, victim)
-        printed = _print_stacks(pid, job_log)
-    elif kind.endswith("collective"):
-        printed = _sample_until_in_collectives(pid, job_log, rng)
-    else:
-        time.sleep(rng.uniform(0, 0.3))  # a random moment of the step
-        printed = _print_stacks(pid, job_log)
-    os.kill(pid, signal.SIGKILL if kind.startswith("kill") else signal.SIGSTOP)
+    try:
+        if kind.endswith("checkpoint"):
+            _wait_for_checkpoint_write(job, victim)
+            printed = _print_stacks(pid, job_log)
+        elif kind.endswith("collective"):
+            printed = _sample_until_in_collectives(pid, job_log, rng)
+        else:
+            time.sleep(rng.uniform(0, 0.3))  # a random moment of the step
+            printed = _print_stacks(pid, job_log)
+        os.kill(pid, signal.SIGKILL if kind.startswith("kill") else signal.SIGSTOP)
+    except ProcessLookupError:
+        return MISSED
     return f"pid {pid}" + ("" if printed else ", stacks not printed within 2 s")
 
 
@@ -173,6 +179,10 @@ def trial(root: Path, kind: str, index: int, cluster: EmulatedCluster, reference
     rank0 = job.worker_pids().get(0)
     hit = time.monotonic()
     row["detail"] = inject(kind, job, cluster, victim, rng, job_log)
+    if row["detail"] == MISSED:
+        faults.wait_to_end(job, args.limit)
+        row["outcome"] = NOT_INJECTED
+        return row
     restarted = faults.wait_for_resume(job, rank0, args.limit) is not None
     row["resume_s"] = time.monotonic() - hit if restarted else None  # fault -> first resumed step
     row["outcome"] = faults.judge(job, faults.wait_to_end(job, args.limit), STEPS, reference)
@@ -225,7 +235,7 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
         "pg_timeout_s": args.pg_timeout,
         "max_restarts": args.max_restarts,
         "hang_limit_s": args.limit,
-        "faults_injected": len(rows),
+        "faults_injected": sum(r["outcome"] != NOT_INJECTED for r in rows),
         "outcomes": dict(Counter(r["outcome"] for r in rows)),
         "by_fault": {
             kind: dict(Counter(r["outcome"] for r in rows if r["fault"] == kind))

@@ -112,6 +112,25 @@ def test_replan_and_state_round_trip_are_deterministic() -> None:
     assert restored.step_seconds(0.01, 2, None) == first.step_seconds(0.01, 2, None)
 
 
+def test_guard_goes_all_dense_when_dense_steps_measure_faster() -> None:
+    # The model prefers AR-Topk (a slow link in its eyes), but whole all-dense steps measured
+    # faster than the plan's: the plan becomes all-dense; the guard's trial steps (every
+    # guard_every steps) then run the simulated plan, so the comparison stays fresh.
+    model = chooser_at(1e8, [0, 1])
+    model.guard_every = 5
+    model.replan(0.01, 2)
+    simulated = dict(model.plan)
+    assert set(simulated.values()) != {"dense"}
+    model.observe_steps(10, dense=0.5, other=0.8)
+    model.replan(0.01, 2)
+    assert model.plan == {0: "dense", 1: "dense"}
+    assert [model.choose(0, step, 0.01, 2) for step in (10, 11)] == [simulated[0], "dense"]
+    model.observe_steps(20, dense=None, other=0.2)  # the sparse plan got faster (EWMA 0.8 -> 0.62)
+    model.observe_steps(30, dense=None, other=0.1)
+    model.replan(0.01, 2)
+    assert model.plan == simulated
+
+
 def test_single_bucket_choices_follow_the_link() -> None:
     # 25M floats at density 0.01 with a 50 ms selection: 100 Gbit/s keeps dense; 100 Mbit/s on
     # 64 ranks picks AR-Topk (the allgather moves 63 x 2 MB); 5 ms latency with k = 10 on 8
@@ -166,8 +185,9 @@ def _flex_run(rank: int, world: int, steps: int) -> dict:
     }
 
 
-def test_flex_decisions_identical_on_four_ranks_with_different_timings() -> None:
-    results = run_world(_flex_run, 4, 9)
+@pytest.mark.parametrize("world", [2, 4])
+def test_flex_decisions_identical_on_every_rank_with_different_timings(world: int) -> None:
+    results = run_world(_flex_run, world, 9)
     assert len(results[0]["decisions"]) == 9
     for r in results[1:]:
         assert r["decisions"] == results[0]["decisions"]
@@ -179,6 +199,30 @@ def test_flex_decisions_identical_on_four_ranks_with_different_timings() -> None
     counts = [est["count"] for est in results[0]["estimator"]["estimator"].values()]
     assert sum(counts) > 2 * 2 * 3
     assert all(p > 0 for p in results[0]["predicted"])
+
+
+def _multi_bucket_flex(rank: int, world: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    # Four 128 x 128 layers (64 KB each) over a 50 KB bucket cap: one bucket per layer.
+    net = torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(4)))
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)
+    state = flexcomm.register(model, compressor="flex", density=0.05, flex_interval=2, probe_every=7)
+    state.chooser.explore_every = 3  # explore often, so the run holds explorations
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        time.sleep(0.004 * rank * (step % 2))  # rank-dependent timings
+        model.zero_grad()
+        model(torch.randn(8, 128, generator=gen)).square().mean().backward()
+    return {"decisions": [(r.step, r.bucket, r.exchange, r.predicted) for r in state.drain_records()],
+            "chooser": state.chooser.state_dict(), "log": list(state.planner.prediction_log)}
+
+
+def test_flex_plans_and_explorations_identical_on_four_ranks_with_many_buckets() -> None:
+    results = run_world(_multi_bucket_flex, 4, 16)
+    assert len({b for _, b, _, _ in results[0]["decisions"]}) >= 3
+    assert results[0]["log"], "no bucket exchange was agreed"
+    for r in results[1:]:
+        assert r == results[0]
 
 
 def _flex_update(rank: int, world: int) -> torch.Tensor:

@@ -36,6 +36,13 @@ measured on that bucket, within ``2 * explore_margin + 1`` (3x the plan's step):
 model corrects itself within ``explore_every * buckets * 2`` steps at a bounded price, and
 clearly worse choices (dense on a slow link) are never tried.
 
+The guard: the simulation treats collectives and compute as running side by side; on CPUs
+they share cores, and a dense allreduce that "hides" behind backward slows it down.  So the
+agreed median periods of whole steps are kept apart for all-dense steps (plain DDP's
+behaviour) and the others; when all-dense steps measured faster, the plan is all-dense.
+Every ``guard_every`` steps one step runs the plan the guard is not using (all-dense only
+while the model rates it within ``GUARD_MARGIN`` of the plan), so both stay measured.
+
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """
 
@@ -49,6 +56,8 @@ from typing import Any
 from flexcomm.cost import CostEstimator, CostParams, predict_exchange_times
 
 EXCHANGE_ORDER = ("dense", "artopk", "agtopk")
+#: The guard tries an all-dense step only while the model rates it within this factor of the plan's.
+GUARD_MARGIN = 5.0
 
 
 @dataclass(frozen=True)
@@ -121,16 +130,18 @@ class ExchangeChooser:
         explore_every: steps between explorations (0: never explore).
         explore_margin: an alternative is explored only if the model's step with it is within
             this fraction of the plan's step.
+        guard_every: steps between the guard's trials (0: no guard; see :meth:`replan`).
     """
 
     def __init__(self, estimator: CostEstimator | None = None, smoothing: float = 0.7, hysteresis: float = 0.05,
-                 explore_every: int = 10, explore_margin: float = 0.5) -> None:
+                 explore_every: int = 10, explore_margin: float = 0.5, guard_every: int = 25) -> None:
         self.estimator = estimator or CostEstimator()
         self.params: CostParams = self.estimator.params
         self.smoothing = smoothing
         self.hysteresis = hysteresis
         self.explore_every = explore_every
         self.explore_margin = explore_margin
+        self.guard_every = guard_every
         #: bucket -> (numel, value bytes) of the buckets of the current layout.
         self.sizes: dict[int, tuple[int, int]] = {}
         self.plan: dict[int, str] = {}
@@ -138,6 +149,9 @@ class ExchangeChooser:
         self._kappa: dict[tuple[int, str], float] = {}
         self._gap: dict[int, float] = {}
         self._measured_at: dict[tuple[int, str], int] = {}
+        # The guard: measured whole-step periods of all-dense steps and of the others, (seconds, step).
+        self.measured_steps: dict[str, tuple[float, int]] = {}
+        self._simulated_plan: dict[int, str] = {}
 
     @property
     def order(self) -> list[int]:
@@ -195,11 +209,41 @@ class ExchangeChooser:
 
     # -- decisions ------------------------------------------------------------------------
     def replan(self, density: float, world: int) -> None:
-        """Re-decide the plan of every known bucket (at an agreement point)."""
+        """Re-decide the plan of every known bucket (at an agreement point).
+
+        The guard: the simulation leaves out that collectives and compute share the CPU, so
+        when whole all-dense steps (plain DDP's behaviour) measured faster than the plan's
+        steps, the plan is all-dense, whatever the simulation says.
+        """
         if not self.order:
             return
         costs = self.step_costs(density, world)
-        self.plan = dict(zip(self.order, best_plan(costs, self._current(costs), self.hysteresis)))
+        current = [self._simulated_plan.get(b) or min(EXCHANGE_ORDER, key=c.total) for b, c in zip(self.order, costs)]
+        self._simulated_plan = dict(zip(self.order, best_plan(costs, current, self.hysteresis)))
+        self.plan = dict(self._simulated_plan)
+        dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
+        if dense and other and dense[0] < other[0] * (1.0 - self.hysteresis):
+            self.plan = {b: "dense" for b in self.order}
+
+    def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
+        """Agreed median step periods of the last all-dense steps and of the others (None: none ran)."""
+        for kind, seconds in (("dense", dense), ("other", other)):
+            if seconds is not None:
+                old = self.measured_steps.get(kind)
+                smoothed = seconds if old is None else self.smoothing * old[0] + (1.0 - self.smoothing) * seconds
+                self.measured_steps[kind] = (smoothed, step)
+
+    def _guard_trial(self, step: int, density: float, world: int) -> dict[int, str] | None:
+        """Every ``guard_every`` steps, one step of the plan the guard is not using, if it is not far off."""
+        if not self.guard_every or step % self.guard_every or set(self.plan) != set(self.order):
+            return None
+        dense = {b: "dense" for b in self.order}
+        if self.plan == dense:
+            usable = set(self._simulated_plan) == set(self.order) and self._simulated_plan != dense
+            return self._simulated_plan if usable else None
+        costs = self.step_costs(density, world)
+        planned = simulate_step(costs, [self.plan[b] for b in self.order])
+        return dense if simulate_step(costs, list(dense.values())) <= GUARD_MARGIN * planned else None
 
     def _current(self, costs: Sequence[BucketCosts]) -> list[str]:
         """The plan in hook order; a bucket without one starts from its cheapest exchange alone."""
@@ -209,6 +253,9 @@ class ExchangeChooser:
         """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
         if bucket not in self.plan:
             return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
+        trial = self._guard_trial(step, density, world)
+        if trial is not None:
+            return trial[bucket]
         explored = self._exploration(step, density, world)
         if explored is not None and explored[0] == bucket:
             return explored[1]
@@ -258,7 +305,8 @@ class ExchangeChooser:
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
                 "plan": dict(self.plan), "block": _pairs(self._block), "kappa": _pairs(self._kappa), "gap": dict(self._gap),
-                "measured_at": _pairs(self._measured_at)}
+                "measured_at": _pairs(self._measured_at), "measured_steps": dict(self.measured_steps),
+                "simulated_plan": dict(self._simulated_plan)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
@@ -268,6 +316,8 @@ class ExchangeChooser:
         self._block, self._kappa = _unpairs(state["block"]), _unpairs(state["kappa"])
         self._gap = {int(b): float(g) for b, g in state["gap"].items()}
         self._measured_at = _unpairs(state["measured_at"])
+        self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}
+        self._simulated_plan = {int(b): str(e) for b, e in state["simulated_plan"].items()}
 
 
 def _pairs(table: dict[tuple[int, str], Any]) -> list[list[Any]]:

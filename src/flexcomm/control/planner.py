@@ -106,7 +106,7 @@ class StepPlanner:
         # median of recent ones: what the exchanges' simulation leaves out (forward, the
         # backward before the first bucket, the optimizer) is this minus the simulated part.
         self._last_begin: float | None = None
-        self._periods: list[float] = []
+        self._periods: list[tuple[float, bool]] = []  # (seconds, whether every bucket went dense)
         self.step_period: float | None = None
         #: ``(exchange, predicted, measured)`` seconds (blocking work + collectives) of every agreed bucket
         #: exchange, newest last: how far the model is from what it then measured.
@@ -137,10 +137,11 @@ class StepPlanner:
         """The agreement points of a step, at its first bucket, when no exchange is in flight."""
         if not self.estimating:
             return
-        self._pending += self._log.close()
+        closed = self._log.close()
+        self._pending += closed
         now = perf_counter()
-        if self._last_begin is not None:
-            self._periods.append(now - self._last_begin)
+        if self._last_begin is not None and closed:
+            self._periods.append((now - self._last_begin, all(s.exchange == "dense" for s in closed)))
         self._last_begin = now
         learned = False
         if self.probed_at is None or step - self.probed_at >= self.probe_every:
@@ -217,18 +218,22 @@ class StepPlanner:
         """Feed every rank the same step samples (see :mod:`flexcomm.control.step_log`).
 
         One allreduce(MAX) carries all: service and gap negated (-max(-t) = min t), block and the
-        median step period (the slowest rank's) as they are.
+        median step periods (the slowest rank's; all steps, all-dense steps, the others; 0: none)
+        as they are.
         """
         samples = sorted(self._pending, key=lambda s: (s.step, s.bucket))
         self._pending = []
         n = len(samples)
-        period = statistics.median(self._periods) if self._periods else 0.0
+        periods = [_median([t for t, _ in self._periods]), _median([t for t, dense in self._periods if dense]),
+                   _median([t for t, dense in self._periods if not dense])]
         self._periods = []
         agreed = allreduce_floats([-s.service for s in samples] + [-s.gap for s in samples] + [s.block for s in samples]
-                                  + [period], self.group, dist.ReduceOp.MAX)
+                                  + periods, self.group, dist.ReduceOp.MAX)
         service, gap, block = [-t for t in agreed[:n]], [-t for t in agreed[n:2 * n]], agreed[2 * n:3 * n]
-        if agreed[-1] > 0.0:
-            self.step_period = agreed[-1]
+        period, dense_period, other_period = agreed[3 * n:]
+        if period > 0.0:
+            self.step_period = period
+        self.chooser.observe_steps(samples[-1].step, dense_period or None, other_period or None)
         # The collectives' own times are clean network samples (the raw ones counted queueing).
         self.chooser.estimator.observe_all(s.observation._replace(seconds=t) for s, t in zip(samples, service))
         last = samples[-1].step
@@ -267,3 +272,8 @@ class StepPlanner:
         self._gains = state["gains"]
         if self.controller:
             self.controller.load_state_dict(state["controller"])
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median, 0.0 for none (a value every rank can send)."""
+    return statistics.median(values) if values else 0.0

@@ -64,13 +64,9 @@ Explain = Callable[[list[int], list[int | None]], tuple[int, str]]
 
 
 class RankFailed(RuntimeError):
-    """A rank exited non-zero; every rank was stopped.
-
-    Attributes:
-        rank: the rank blamed.
-        returncode: its exit status (negative: killed by that signal; None: still running).
-        stderr_tail: the last lines of its stderr ("" when its output was not captured).
-    """
+    """A rank exited non-zero; every rank was stopped. ``rank``: the rank blamed; ``returncode``: its
+    exit status (negative: killed by that signal; None: still running); ``stderr_tail``: its last
+    stderr lines ("" when its output was inherited)."""
 
     def __init__(self, rank: int, returncode: int | None, message: str, stderr_tail: str = "") -> None:
         self.rank = rank
@@ -317,11 +313,9 @@ def _first_failed(ranks: Sequence[RankProcess], failed: list[int], codes: list[i
 
 @contextlib.contextmanager
 def _signals_stop_ranks() -> Iterator[None]:
-    """While ranks run, SIGINT raises KeyboardInterrupt and SIGTERM SystemExit(143) in the launcher.
+    """While ranks run, SIGINT raises KeyboardInterrupt and SIGTERM SystemExit(143) (main thread only).
 
-    Installed even where SIGINT was ignored (a shell's background job): a launcher that
-    ignores SIGINT while its ranks run would leave them to whoever sent it. Main thread only
-    (Python's rule); elsewhere the handlers in place stay.
+    Also where SIGINT was ignored (a shell's background job): else the ranks would outlive a kill.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -347,25 +341,16 @@ def run_ranks(
     explain: Explain | None = None, max_restarts: int = 0,
     on_restart: Callable[[int, RankFailed], None] | None = None,
 ) -> list[CompletedRank]:  # fmt: skip
-    """Run ``world_size`` ranks of ``argv`` to completion, restarting the group on failure.
+    """Run ``world_size`` ranks of ``argv`` (the whole command) to completion; return them in rank order.
 
-    Args:
-        cluster: a started ``EmulatedCluster`` with at least ``world_size`` hosts, or None.
-        argv: the whole command, e.g. ``[sys.executable, "-m", "pkg.worker", "cfg.json"]``.
-        timeout: seconds, over all attempts, until every rank is stopped (None: no limit).
-        output: one of :data:`OUTPUT_MODES`; ``stdout``/``stderr`` of the result are filled
-            with ``capture`` only.
-        on_line: ``on_line(rank, line)`` for every stdout line (not with ``inherit``), from
-            a reader thread; an exception in it stops the job.
-        on_poll, explain: see :func:`supervise`.
-        max_restarts: how often a failed group is started again (0: never; a timeout or
-            a signal is never retried).
-        on_restart: ``on_restart(next_attempt, error)`` before each new attempt.
-
-    Returns:
-        One :class:`CompletedRank` per rank, in rank order, of the attempt that succeeded.
+    ``cluster``: a started ``EmulatedCluster`` (one host per rank) or None for loopback;
+    ``timeout``: seconds over all attempts (None: no limit); ``output``: one of
+    :data:`OUTPUT_MODES` (the result's stdout/stderr are kept with ``capture`` only);
+    ``on_line(rank, line)``: every stdout line, from a reader thread (not with ``inherit``;
+    an exception in it stops the job); ``on_poll``, ``explain``: see :func:`supervise`;
+    ``max_restarts``: how often a failed group is started again (a timeout or a signal
+    never is), calling ``on_restart(next_attempt, error)`` first.
     """
-    _check_world(cluster, world_size)
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
     if max_restarts < 0:

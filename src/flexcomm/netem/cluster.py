@@ -257,17 +257,12 @@ class EmulatedCluster:
             )
 
     def set_delay(self, delay_s: float, jitter_s: float = 0.0, host: int | None = None) -> None:
-        """Set the one-way delay (and jitter) of host ``host``'s link, or of every link.
+        """Set the one-way delay (and jitter) of what host ``host`` sends, or of every link.
 
-        The delay applies to what the host sends: A -> B takes A's delay, a round trip
-        A -> B -> A takes A's plus B's. With jitter each packet's delay is uniform in
-        ``delay_s +- jitter_s`` (clipped at 0) and packets may be reordered; without
-        jitter they keep their order, also across a change. A change applies to packets
-        sent after it (packets already in flight keep their delay), within milliseconds.
-
-        Raises:
-            RuntimeError: the cluster has no delay path (build it with ``delay=True`` or
-                a schedule that has a delay).
+        With jitter each packet's delay is uniform in ``delay_s +- jitter_s`` (clipped at 0)
+        and packets may be reordered; without, they keep their order, also across a change.
+        A change applies to packets sent after it, within milliseconds. RuntimeError if the
+        cluster has no delay path (build it with ``delay=True`` or a schedule with a delay).
         """
         _check_delay(delay_s, jitter_s)
         if host is not None:

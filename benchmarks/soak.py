@@ -36,6 +36,8 @@ from flexcomm.launch import rank_pids  # noqa: E402
 from flexcomm.train.records import read_records  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Share of the run counted as start-up when judging memory growth.
+STEADY_AFTER = 0.25
 SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
 
 
@@ -108,14 +110,18 @@ def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashe
     growth = {}
     for rank in sorted({int(s["rank"]) for s in samples}):
         mine = [s for s in samples if s["rank"] == rank]
-        # Growth after the first minute (start-up allocations excluded), by least squares.
-        steady = [s for s in mine if s["t_s"] > mine[0]["t_s"] + 60] or mine
+        # Steady state: the last three quarters of the run.  Start-up (data, model, DDP's
+        # buckets, the first checkpoint, allocator pools) takes minutes on a loaded machine
+        # and would pass for a leak.
+        steady = [s for s in mine if s["t_s"] >= mine[0]["t_s"] + STEADY_AFTER * (mine[-1]["t_s"] - mine[0]["t_s"])]
         if len(steady) >= 2:
             slope = float(np.polyfit([s["t_s"] for s in steady], [s["rss_mb"] for s in steady], 1)[0])
         else:
             slope = float("nan")
         growth[rank] = {"first_mb": mine[0]["rss_mb"], "last_mb": mine[-1]["rss_mb"],
-                        "max_mb": max(s["rss_mb"] for s in mine), "slope_mb_per_min": slope * 60}
+                        "max_mb": max(s["rss_mb"] for s in mine), "steady_from_s": steady[0]["t_s"],
+                        "steady_growth_mb": steady[-1]["rss_mb"] - steady[0]["rss_mb"],
+                        "steady_slope_mb_per_min": slope * 60}
     network = args.out / "network.json"
     return {
         "command": "python benchmarks/soak.py --minutes %g" % args.minutes,
@@ -155,6 +161,8 @@ def _plot(samples: list[dict[str, float]], summary: dict) -> None:
     for rank in sorted({int(s["rank"]) for s in samples}):
         mine = [s for s in samples if s["rank"] == rank]
         ax.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], label=f"rank {rank}")
+    steady_from = min(g["steady_from_s"] for g in summary["memory_per_rank"].values()) / 60
+    ax.axvline(steady_from, color="gray", linestyle=":", label="steady state from here")
     ax.set_xlabel("minutes")
     ax.set_ylabel("resident memory (MB)")
     ax.set_title(f"soak: 4 ranks, flex + density auto, changing bandwidth; {summary['steps_completed']} steps")

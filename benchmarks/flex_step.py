@@ -153,17 +153,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = {k: getattr(args, k) for k in ("density", "layers", "width", "rounds", "warmup", "flex_settle")}
     rows: list[dict[str, Any]] = []
     predictions: list[dict[str, Any]] = []
-    for link in links:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for done, link in enumerate(links, 1):
         total = args.flex_settle + args.warmup * (len(METHODS) - 1) + args.rounds * len(METHODS)
         with network(None if link == "loopback" else link, 2, "fcs") as cluster:
             result = run_job(__file__, cluster, 2, cfg, total=total, desc=link, timeout=1800)
         rows += method_rows(link, result)
         predictions += prediction_rows(link, result["predictions"])
         report(link, rows, result)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out_dir / "flex_step.csv", rows)
-    write_csv(args.out_dir / "flex_step_predictions.csv", predictions)
-    plot(rows, links, args.out_dir / "flex_step.png")
+        # Written after every link, so a cut-short run keeps the links it finished.
+        write_csv(args.out_dir / "flex_step.csv", rows)
+        write_csv(args.out_dir / "flex_step_predictions.csv", predictions)
+        plot(rows, links[:done], args.out_dir / "flex_step.png")
     print_errors(predictions)
     print(f"wrote {args.out_dir / 'flex_step.csv'}, flex_step_predictions.csv, flex_step.png")
     return 0

@@ -123,8 +123,9 @@ def test_eight_gpus_per_node_beat_one_gpu_per_node(model):
     assert step_dense_time_hierarchical(count, intra) < step_dense_time_hierarchical(count, inter)
 
 
-def test_sim_figures_script_writes_outputs(tmp_path: Path):
+def test_sim_figures_script_writes_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_figures.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # as when run as a script: its sibling common.py
     spec = importlib.util.spec_from_file_location("sim_figures", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

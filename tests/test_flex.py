@@ -114,17 +114,17 @@ def test_replan_and_state_round_trip_are_deterministic() -> None:
 
 def test_guard_goes_all_dense_when_dense_steps_measure_faster() -> None:
     # The model prefers AR-Topk (a slow link in its eyes), but whole all-dense steps measured
-    # faster than the plan's: the plan becomes all-dense; the guard's trial steps (every
+    # faster than the plan's: the plan becomes all-dense; the guard's trials (3 steps every
     # guard_every steps) then run the simulated plan, so the comparison stays fresh.
     model = chooser_at(1e8, [0, 1])
-    model.guard_every = 5
+    model.guard_every = 10
     model.replan(0.01, 2)
     simulated = dict(model.plan)
     assert set(simulated.values()) != {"dense"}
     model.observe_steps(10, dense=0.5, other=0.8)
     model.replan(0.01, 2)
     assert model.plan == {0: "dense", 1: "dense"}
-    assert [model.choose(0, step, 0.01, 2) for step in (10, 11)] == [simulated[0], "dense"]
+    assert [model.choose(0, step, 0.01, 2) for step in (10, 11, 12, 13)] == [simulated[0]] * 3 + ["dense"]
     model.observe_steps(20, dense=None, other=0.2)  # the sparse plan got faster (EWMA 0.8 -> 0.62)
     model.observe_steps(30, dense=None, other=0.1)
     model.replan(0.01, 2)

@@ -40,7 +40,7 @@ The guard: the simulation treats collectives and compute as running side by side
 they share cores, and a dense allreduce that "hides" behind backward slows it down.  So the
 agreed median periods of whole steps are kept apart for all-dense steps (plain DDP's
 behaviour) and the others; when all-dense steps measured faster, the plan is all-dense.
-Every ``guard_every`` steps one step runs the plan the guard is not using (all-dense only
+Every ``guard_every`` steps three steps run the plan the guard is not using (all-dense only
 while the model rates it within ``GUARD_MARGIN`` of the plan), so both stay measured.
 
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
@@ -56,8 +56,10 @@ from typing import Any
 from flexcomm.cost import CostEstimator, CostParams, predict_exchange_times
 
 EXCHANGE_ORDER = ("dense", "artopk", "agtopk")
-#: The guard tries an all-dense step only while the model rates it within this factor of the plan's.
+#: The guard tries all-dense steps only while the model rates them within this factor of the plan's.
 GUARD_MARGIN = 5.0
+#: Consecutive steps of a guard trial: the agreed median of a few steps, not one noisy step.
+GUARD_TRIAL_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -234,8 +236,8 @@ class ExchangeChooser:
                 self.measured_steps[kind] = (smoothed, step)
 
     def _guard_trial(self, step: int, density: float, world: int) -> dict[int, str] | None:
-        """Every ``guard_every`` steps, one step of the plan the guard is not using, if it is not far off."""
-        if not self.guard_every or step % self.guard_every or set(self.plan) != set(self.order):
+        """Every ``guard_every`` steps, ``GUARD_TRIAL_STEPS`` steps of the plan the guard is not using, if not far off."""
+        if not self.guard_every or step % self.guard_every >= GUARD_TRIAL_STEPS or set(self.plan) != set(self.order):
             return None
         dense = {b: "dense" for b in self.order}
         if self.plan == dense:

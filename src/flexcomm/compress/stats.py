@@ -13,15 +13,28 @@ the way ``torch.amp.GradScaler`` treats one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
+
+from flexcomm.compress.topk import TopkWorkspace
 
 
 def norm_and_finiteness(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``||a||_2`` (a 0-d fp32 tensor, fp64 for fp64 ``a``) and whether it is finite (0-d bool), one pass."""
     accumulate = torch.float64 if a.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm(a, dtype=accumulate)
+    return norm, torch.isfinite(norm)
+
+
+def norm_after_selection(a: torch.Tensor, workspace: TopkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_and_finiteness` of ``a``, from the selection's own pass when it computed one (no second read)."""
+    sum_of_squares = workspace.sum_of_squares
+    if sum_of_squares is None:
+        return norm_and_finiteness(a)
+    dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    norm = torch.tensor(math.sqrt(sum_of_squares), dtype=dtype, device=a.device)
     return norm, torch.isfinite(norm)
 
 

@@ -5,7 +5,8 @@ plus k int32 indices in one allgather; the update is ``sum_i a_i[I_i] / N`` scat
 the ``I_i`` (overlaps add); rank i keeps ``e_i = a_i`` with ``I_i`` zeroed.
 
 Local work over the bucket's M elements: ``a = g + e`` into the spare buffer (one pass,
-by the memory), its norm (a read), the selection (a read), zeroing the output (a write);
+by the memory), the selection (a read, which also sums the squares for the norm),
+zeroing the output (a write);
 everything else touches k or N*k elements.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from flexcomm.comm import allgather
 from flexcomm.compress import pack, unpack_all
-from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_and_finiteness
+from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_after_selection
 from flexcomm.exchange.job import BucketJob
 
 
@@ -44,8 +45,8 @@ def contribution(job: BucketJob) -> tuple[torch.Tensor, torch.Tensor]:
     """Local work before the allgather: select, gather the values (NaN if ``a_i`` is not finite), pack."""
     a, k = job.accumulated, job.k
     assert job.selector is not None
-    norm, finite = norm_and_finiteness(a)
     indices = job.selector(a, k, job.workspace)
+    norm, finite = norm_after_selection(a, job.workspace)
     values = contributed_values(a, indices, finite)
     job.outcome.gain = gain(values, norm)
     # MSTopk may find fewer than k; pad the message with zero values at index 0 so that

@@ -12,7 +12,8 @@ for the broadcast indices holds that thread, never backward, and the allreduce i
 issued before the next bucket's first collective on every rank.
 
 Local work over the bucket's M elements: ``a = g + e`` into the spare buffer (one pass,
-by the memory), its norm (a read), the leader's selection (a read), zeroing the output
+by the memory), the leader's selection (a read, which also sums the squares for the norm;
+a follower reads ``a`` once more for it), zeroing the output
 (a write); gathering, the residual's zeros and the scatter touch k elements.
 """
 
@@ -23,7 +24,7 @@ from time import perf_counter
 import torch
 
 from flexcomm.comm import allreduce_sum, broadcast_from
-from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_and_finiteness
+from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_after_selection, norm_and_finiteness
 from flexcomm.exchange.job import BucketJob
 
 
@@ -60,11 +61,11 @@ def exchange_artopk(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
 def select_if_leader(job: BucketJob, leader: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Local work before the broadcast: ``||a_i||``, its finiteness, and the leader's top-k (else a buffer for it)."""
     a = job.accumulated
-    norm, finite = norm_and_finiteness(a)
     if job.rank == leader:
         assert job.selector is not None
-        return job.selector(a, job.k, job.workspace), norm, finite
-    return torch.empty(job.k, dtype=torch.int32, device=a.device), norm, finite
+        indices = job.selector(a, job.k, job.workspace)
+        return indices, *norm_after_selection(a, job.workspace)
+    return torch.empty(job.k, dtype=torch.int32, device=a.device), *norm_and_finiteness(a)
 
 
 def contribution(job: BucketJob, indices: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:

@@ -301,3 +301,24 @@ def test_switching_exchanges_keeps_every_rank_on_the_same_model() -> None:
     for r in results[1:]:
         for name, tensor in results[0]["model"].items():
             assert torch.equal(r["model"][name], tensor), name
+
+
+def test_step_log_splits_overlapping_collectives_by_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two 25 MB allreduces launched 10 ms apart share the link and finish at 400 and 410 ms; a
+    # small allgather starts after both.  Serial queueing would give the second one 10 ms.
+    from flexcomm.control import step_log
+    from flexcomm.cost import Observation
+
+    clock = iter([0.0, 0.010, 0.400, 0.410, 0.420, 0.450])
+    monkeypatch.setattr(step_log, "perf_counter", lambda: next(clock))
+    log = step_log.StepLog()
+    log.entered(7, 0, "dense", 1.0, 6_250_000, 4, 0.2)  # t = 0
+    log.entered(7, 1, "dense", 1.0, 6_250_000, 4, 0.2)  # t = 0.010
+    log.finished(7, 0, Observation("allreduce", 25_000_000, 2, 0.400), 0.0)  # done 0.400
+    log.finished(7, 1, Observation("allreduce", 25_000_000, 2, 0.400), 0.0)  # done 0.410
+    log.entered(7, 2, "agtopk", 0.01, 1000, 4, 0.01)  # t = 0.420
+    log.finished(7, 2, Observation("allgather", 800, 2, 0.020), 0.005)  # done 0.450
+    samples = {s.bucket: s for s in log.close()}
+    assert samples[0].service == pytest.approx(0.205) and samples[1].service == pytest.approx(0.205)
+    assert samples[2].service == pytest.approx(0.020)  # launched at 0.430, after the busy period: alone
+    assert samples[0].gap == pytest.approx(0.010)

@@ -5,11 +5,12 @@ exchange finishes, its collective's duration and the time it finished.  At the n
 step's first bucket (no exchange in flight) :meth:`StepLog.close` turns that into one
 :class:`LocalSample` per bucket:
 
-* ``service``: the collective's own time.  One process group runs collectives one after
-  another, so a collective launched while the previous one still ran waited for it:
-  ``service = done - max(launched, previous done)`` in completion order.  (A raw
-  launch-to-done time counts that wait, and made dense look slower the more buckets
-  queued behind each other.)
+* ``service``: the collective's own time.  A collective launched while the previous one
+  still ran waited for it or shared the link with it (gloo runs a few at once): in
+  completion order, overlapping collectives form one busy period, from its first launch
+  (or the previous period's end) to its last completion, split among them by bytes; a
+  lone collective's is ``done - max(launched, previous done)``.  (A raw launch-to-done time
+  counts the wait, and made dense look slower the more buckets queued behind each other.)
 * ``block``: this rank's local work of the exchange (0 for dense);
 * ``gap``: the backward compute after the bucket's hook call until the next bucket's,
   ``entered[next] - entered[b] - block[b]`` (0 for the step's last bucket).
@@ -84,15 +85,35 @@ class StepLog:
         step, self._step, self._entries = self._step, None, {}
         if step is None or any(e.observation is None for e in entries):
             return []  # an exchange that never reported (a failed step): no samples
-        service: dict[int, float] = {}
-        previous_done = float("-inf")
-        for e in sorted(entries, key=lambda e: e.done):
-            launched = e.done - e.observation.seconds
-            service[e.bucket] = e.done - max(launched, previous_done)
-            previous_done = e.done
+        service = _service_times(entries)
         samples = []
         for e, following in zip(entries, entries[1:] + [None]):
             gap = 0.0 if following is None else max(0.0, following.entered - e.entered - e.block)
             samples.append(LocalSample(step, e.bucket, e.exchange, e.density, e.numel, e.value_bytes, e.observation,
                                        e.block, service[e.bucket], gap, e.predicted))
         return samples
+
+
+def _service_times(entries: list[_Entry]) -> dict[int, float]:
+    """Each collective's own time: busy periods of the group split among the collectives in them.
+
+    In completion order, a collective launched before the previous one finished shares a
+    busy period with it (gloo runs a few collectives at once, sharing the link); a busy
+    period lasts from its first launch (or the previous period's end) to its last
+    completion and is split in proportion to the collectives' bytes.
+    """
+    periods: list[list[_Entry]] = []
+    for e in sorted(entries, key=lambda e: e.done):
+        if periods and e.done - e.observation.seconds < periods[-1][-1].done:
+            periods[-1].append(e)
+        else:
+            periods.append([e])
+    service: dict[int, float] = {}
+    previous_end = float("-inf")
+    for period in periods:
+        start = max(min(e.done - e.observation.seconds for e in period), previous_end)
+        busy, total = period[-1].done - start, sum(e.observation.nbytes for e in period)
+        for e in period:
+            service[e.bucket] = busy * (e.observation.nbytes / total if total else 1.0 / len(period))
+        previous_end = period[-1].done
+    return service

@@ -1,4 +1,4 @@
-"""Ordered dispatch: one thread per hook state issues every collective, in bucket order.
+"""Ordered dispatch: at most one worker thread per hook state issues every collective, in bucket order.
 
 gloo and NCCL pair collectives across ranks by the order in which each rank issues them
 on a process group.  A hook that issued its second collective from a ``Future.then``
@@ -23,8 +23,8 @@ pending collective fail within the process group's timeout; nothing here waits l
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -33,31 +33,45 @@ Task = Callable[[], torch.futures.Future]
 
 
 class Dispatcher:
-    """Runs submitted tasks one at a time, in order, on one daemon thread (started on first use)."""
+    """Runs submitted tasks one at a time, in submission order, on a worker thread.
+
+    The worker starts when a task arrives and ends as soon as the queue is empty, so no
+    thread outlives the step's last bucket.  A thread left waiting at interpreter exit is
+    not harmless: a daemon thread that comes back from C++ (a collective's wait, a
+    tensor op) after finalization began is torn down inside C++ frames, and the process
+    aborts with "terminate called without an active exception" (pytorch/pytorch#38228).
+    Order stays total because a new worker starts only after the previous one has, under
+    the lock, found the queue empty and given up its turn.
+    """
 
     def __init__(self, name: str = "flexcomm-dispatch") -> None:
         self._name = name
-        self._tasks: queue.SimpleQueue[tuple[Task, torch.futures.Future]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._tasks: deque[tuple[Task, torch.futures.Future]] = deque()
+        self._lock = threading.Lock()
+        self._running = False
         self.failure: BaseException | None = None
 
     def submit(self, task: Task) -> torch.futures.Future:
         """Queue ``task``; the returned future completes with the value of the future ``task`` returns."""
         result: torch.futures.Future = torch.futures.Future()
-        self._ensure_started()
-        self._tasks.put((task, result))
+        with self._lock:
+            self._tasks.append((task, result))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._drain, name=self._name, daemon=True).start()
         return result
 
-    def _ensure_started(self) -> None:
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+    def _next(self) -> tuple[Task, torch.futures.Future] | None:
+        """The oldest queued task, or None after giving up the worker's turn on an empty queue."""
+        with self._lock:
+            if self._tasks:
+                return self._tasks.popleft()
+            self._running = False
+            return None
 
-    def _run(self) -> None:
-        while True:
-            task, result = self._tasks.get()
+    def _drain(self) -> None:
+        while (queued := self._next()) is not None:
+            task, result = queued
             if self.failure is not None:
                 result.set_exception(RuntimeError(f"flexcomm: an earlier exchange failed, so this one was not started: {self.failure!r}"))
                 continue

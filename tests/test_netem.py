@@ -759,7 +759,10 @@ def test_switch_keeps_order_when_the_delay_drops() -> None:
         seqs = [seq for seq, _ in got]
         assert len(seqs) >= 570  # UDP: allow a few losses on a loaded machine, but no reordering at all
         assert seqs == sorted(seqs)
-        assert min(t for seq, t in got if seq < 300) >= 0.03 - 1e-4  # the first half (sent before the drop) was delayed
+        # The delay applies when a packet reaches the switch: the last packets sent before the
+        # drop may still be in flight when it happens (and then only queue behind the rest).
+        # The first 100 left at least 100 ms before the drop, so they met the full delay.
+        assert min(t for seq, t in got if seq < 100) >= 0.03 - 1e-4
     _assert_gone(cluster)
 
 

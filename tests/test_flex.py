@@ -12,7 +12,7 @@ import flexcomm
 
 from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.control.exchange import BucketCosts, ExchangeChooser, StepSample, best_plan, simulate_step
-from flexcomm.cost import CostEstimator, CostParams, LinkParams
+from flexcomm.cost import CostEstimator, CostParams, LinkParams, predict_exchange_times
 from multiproc import run_world
 from test_hook_distributed import M, exchange, gradient, hooked_model
 
@@ -76,6 +76,26 @@ def test_measurements_calibrate_the_model() -> None:
     for step in range(10):
         model.observe(step, [StepSample(0, "dense", 0.01, 0.0, 3 * modelled, 0.0)], 2)
     assert model.predicted(0, "dense", 0.01, 2) == pytest.approx(3 * modelled, rel=0.05)
+
+
+def test_a_refit_keeps_the_calibrated_prediction_of_measured_pairs() -> None:
+    # Dense measured 0.22 s; then the estimator's fit moves (samples of other sizes and
+    # exchanges): the prediction of that measured pair must stay 0.22 s, while the
+    # unmeasured density follows the model's new shape relative to it.
+    model = chooser_at(1e9, [0], numel=6_250_000)
+    model.observe(0, [StepSample(0, "artopk", 0.01, 0.0, 0.03, 0.0)], 2)
+    assert model.predicted(0, "artopk", 0.01, 2) == pytest.approx(0.03)
+    for _ in range(50):  # small allreduces far slower than the prior believes: alpha grows
+        model.estimator.observe("allreduce", 1 << 10, 2, 0.02)
+        model.estimator.observe("broadcast", 1 << 10, 2, 0.02)
+    unrebased = 0.03 * predict_exchange_times(6_250_000, 0.01, 2, model.estimator.params)["artopk"] / \
+        predict_exchange_times(6_250_000, 0.01, 2, model.params)["artopk"]
+    model.refresh()
+    assert unrebased > 0.1  # without the rebase the refit would have moved it far off
+    assert model.predicted(0, "artopk", 0.01, 2) == pytest.approx(0.03)
+    ratio = predict_exchange_times(6_250_000, 0.1, 2, model.params)["artopk"] / \
+        predict_exchange_times(6_250_000, 0.01, 2, model.params)["artopk"]
+    assert model.predicted(0, "artopk", 0.1, 2) == pytest.approx(0.03 * ratio)
 
 
 def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None:

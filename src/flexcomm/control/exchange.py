@@ -23,10 +23,15 @@ full time, the last buckets' collectives are exposed.  The plan is the choice ve
 the smallest ``step``, by coordinate descent from the current plan (one bucket's exchange
 changes at a time, only for a gain above ``hysteresis``).
 
-Unmeasured pairs are predicted: ``comm`` from the alpha-beta model times the calibration
-``kappa[b, e]`` (EWMA of measured / modelled comm; the mean over the exchange's other
-buckets, else 1, before the first sample), ``block`` from the measured seconds per element
-of sparse exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
+``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` (EWMA of measured /
+modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).
+The estimator refits (alpha, beta) at every agreement point, so each ``kappa`` is rebased
+then to the new parameters at the density it was last measured at: a measured pair keeps
+its calibrated prediction whatever the refit does, and the model only carries it to other
+densities.  (Without the rebase a ratio taken against the old fit was applied to the new
+one: dense at 1 Gbit was predicted at 124 ms while it measured 220 ms step after step.)
+``block`` of an unmeasured pair comes from the measured seconds per element of sparse
+exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
 
 Exploration: the plan's own choices are measured at every step; an alternative is only
 measured when it is tried.  Every ``explore_every`` steps one bucket (by the step counter)
@@ -149,6 +154,8 @@ class ExchangeChooser:
         self.plan: dict[int, str] = {}
         self._block: dict[tuple[int, str], float] = {}
         self._kappa: dict[tuple[int, str], float] = {}
+        # (density, world size) of each pair's last calibration: where a refit must not move its prediction.
+        self._kappa_at: dict[tuple[int, str], tuple[float, int]] = {}
         self._gap: dict[int, float] = {}
         self._measured_at: dict[tuple[int, str], int] = {}
         # The guard: measured whole-step periods of all-dense steps and of the others, (seconds, step).
@@ -161,8 +168,22 @@ class ExchangeChooser:
         return sorted(self.sizes)
 
     def refresh(self) -> None:
-        """Take the estimator's current (alpha, beta) for the next predictions (at agreement points)."""
-        self.params = self.estimator.params
+        """Take the estimator's current (alpha, beta) for the next predictions (at agreement points).
+
+        Every calibration is rebased to the new parameters, so that the prediction of a
+        measured pair at the density it was measured at stays what the measurements made it.
+        """
+        params = self.estimator.params
+        for key, (density, world) in sorted(self._kappa_at.items()):
+            bucket, exchange = key
+            if bucket not in self.sizes:
+                continue
+            numel, vb = self.sizes[bucket]
+            before = predict_exchange_times(numel, density, world, self.params, vb)[exchange]
+            after = predict_exchange_times(numel, density, world, params, vb)[exchange]
+            if before > 0.0 and after > 0.0:
+                self._kappa[key] *= before / after
+        self.params = params
 
     # -- measurements ---------------------------------------------------------------------
     def observe(self, step: int, samples: Sequence[StepSample], world: int) -> None:
@@ -172,6 +193,7 @@ class ExchangeChooser:
             key = (s.bucket, s.exchange)
             model = predict_exchange_times(numel, s.density, world, self.params, vb)[s.exchange]
             self._smooth(self._kappa, key, s.comm / model if model > 0 else 1.0)
+            self._kappa_at[key] = (s.density, world)
             self._smooth(self._block, key, s.block)
             self._smooth(self._gap, s.bucket, s.gap)
             self._measured_at[key] = step
@@ -306,16 +328,18 @@ class ExchangeChooser:
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
-                "plan": dict(self.plan), "block": _pairs(self._block), "kappa": _pairs(self._kappa), "gap": dict(self._gap),
+                "plan": dict(self.plan), "block": _pairs(self._block), "kappa": _pairs(self._kappa),
+                "kappa_at": _pairs(self._kappa_at), "gap": dict(self._gap),
                 "measured_at": _pairs(self._measured_at), "measured_steps": dict(self.measured_steps),
                 "simulated_plan": dict(self._simulated_plan)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
-        self.refresh()
+        self.params = self.estimator.params  # the parameters the saved calibrations are relative to
         self.sizes = {int(b): (int(n), int(v)) for b, (n, v) in state["sizes"].items()}
         self.plan = {int(b): str(e) for b, e in state["plan"].items()}
         self._block, self._kappa = _unpairs(state["block"]), _unpairs(state["kappa"])
+        self._kappa_at = {key: (float(d), int(w)) for key, (d, w) in _unpairs(state.get("kappa_at", [])).items()}
         self._gap = {int(b): float(g) for b, g in state["gap"].items()}
         self._measured_at = _unpairs(state["measured_at"])
         self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}

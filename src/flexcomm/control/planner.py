@@ -22,7 +22,8 @@ received in the same collective, so every rank decides alike:
   module).  Its inputs: (alpha, beta) estimated online from a probe of a few message sizes
   at start and every ``probe_every`` steps and from the collectives' own times, and each
   bucket exchange's agreed measurements (:mod:`flexcomm.control.step_log`), all agreed
-  across ranks every ``flex_interval`` steps; the plan changes only then, and one bucket
+  across ranks every ``flex_interval`` steps (and at steps 1, 2, 4, ... before the first
+  of them, so the model is calibrated early); the plan changes only then, and one bucket
   every few steps tries an alternative the model rates close (exploration by step counter).
 * ``density="auto"``: every ``measure_every`` steps each bucket's gain curve over the
   candidates is computed from one top-k pass, summed over buckets and ranks by one
@@ -148,7 +149,7 @@ class StepPlanner:
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
             self.probed_at = step
             learned = True
-        if step % self.flex_interval == 0 and self._pending:
+        if self._agrees_at(step) and self._pending:
             self._agree_on_measurements()
             learned = True
         if learned:
@@ -161,6 +162,11 @@ class StepPlanner:
             self.measuring_gain = self.controller.measure_at(step)
         if learned:
             self.chooser.replan(self.density, self.world_size)
+
+    def _agrees_at(self, step: int) -> bool:
+        """Every ``flex_interval`` steps, and at steps 1, 2, 4, ... before the first such step:
+        the uncalibrated model decides only the first step, not the first ``flex_interval``."""
+        return step % self.flex_interval == 0 or (step < self.flex_interval and step & (step - 1) == 0)
 
     def plan(self, bucket_index: int, numel: int, value_bytes: int, step: int) -> Plan:
         """How this bucket is exchanged at ``step``."""

@@ -342,3 +342,24 @@ def test_step_log_splits_overlapping_collectives_by_bytes(monkeypatch: pytest.Mo
     assert samples[0].service == pytest.approx(0.205) and samples[1].service == pytest.approx(0.205)
     assert samples[2].service == pytest.approx(0.020)  # launched at 0.430, after the busy period: alone
     assert samples[0].gap == pytest.approx(0.010)
+
+
+def test_step_log_gives_a_long_allreduce_the_period_it_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 25 MB allreduce runs 0-210 ms; two 250 kB AR-Topk value allreduces are launched at 30
+    # and 60 ms and finish before it (gloo runs them alongside).  One busy period of 210 ms,
+    # split by bytes: the long one keeps ~206 ms, not only the time after the small ones.
+    from flexcomm.control import step_log
+    from flexcomm.cost import Observation
+
+    clock = iter([0.0, 0.030, 0.050, 0.060, 0.080, 0.210])
+    monkeypatch.setattr(step_log, "perf_counter", lambda: next(clock))
+    log = step_log.StepLog()
+    log.entered(3, 0, "dense", 0.01, 6_250_000, 4, 0.2)  # t = 0
+    log.entered(3, 1, "artopk", 0.01, 6_250_000, 4, 0.01)  # t = 0.030
+    log.finished(3, 1, Observation("allreduce", 250_000, 2, 0.020), 0.0)  # done 0.050
+    log.entered(3, 2, "artopk", 0.01, 6_250_000, 4, 0.01)  # t = 0.060
+    log.finished(3, 2, Observation("allreduce", 250_000, 2, 0.020), 0.0)  # done 0.080
+    log.finished(3, 0, Observation("allreduce", 25_000_000, 2, 0.210), 0.0)  # done 0.210
+    samples = {s.bucket: s for s in log.close()}
+    assert samples[0].service == pytest.approx(0.210 * 25 / 25.5)
+    assert samples[1].service == pytest.approx(0.210 * 0.25 / 25.5)

@@ -35,12 +35,15 @@ only if the new choice beats the current density by ``hysteresis`` in the rule's
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 RULES = ("near-fastest", "asf", "min-time", "knee")
 DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
+#: How many of the newest decisions the controller keeps (and checkpoints).
+DECISION_LOG = 1000
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ class DensityController:
         self.cost_change = cost_change
         self.hysteresis = hysteresis
         self.density = self.candidates[0]
-        self.decisions: list[dict[str, Any]] = []
+        #: The newest ``DECISION_LOG`` decisions (a long run must not grow without bound).
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)
         self._last: dict[str, Any] | None = None
 
     def measure_at(self, step: int) -> bool:
@@ -241,7 +245,7 @@ class DensityController:
             raise ValueError(f"checkpoint density {state['density']} is not among the candidates {self.candidates}")
         self.density = state["density"]
         self._last = state["last"]
-        self.decisions = list(state["decisions"])
+        self.decisions = deque(state["decisions"], maxlen=DECISION_LOG)
 
 
 def _moved(now: float, before: float, threshold: float) -> bool:

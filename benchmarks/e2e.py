@@ -9,15 +9,15 @@ follows a bandwidth schedule that starts with training (see ``runs.py``: ResNet-
 of steps (no early stop), so every run of a model does the same work.  Groups, in priority
 order (optional groups are dropped, last first, when the budget would be exceeded):
 
-0. Seeds: ResNet-18 x0.125, 2 ranks, 300 steps, schedule ``1gbit:20s,30mbit:60s,200mbit``,
-   seeds 1, 2, 3, run seed by seed (or ``--seeds`` one process per seed): dense, static
-   density 0.01 (flex, and AG-Topk: the fastest static setting of the seed-0 group below)
-   and flex with
-   ``density=auto`` (``--auto-warmup 20 --auto-every 10``, the controller's default rule
-   ``near-fastest``).  Per seed: target = 0.95 x that seed's dense best; reported as mean and
-   spread (min-max) over seeds: time to target, final accuracy, auto's time to target over the
-   fastest static setting's, auto's final accuracy minus dense's (``e2e_seeds.csv``,
-   ``e2e_seeds.md``, ``e2e_seeds.png``).
+0. Seeds (``SEEDED_GROUPS``), run seed by seed (or ``--seeds`` one process per seed), seeds 1, 2, 3:
+   dense, static densities and flex with ``density=auto`` (``--auto-warmup 20 --auto-every 10``,
+   the rule ``goodput``, and the former default ``near-fastest``), in two groups: ResNet-18 x0.125, 2 ranks, 300
+   steps, ``1gbit:20s,30mbit:60s,200mbit``, statics flex and AG-Topk at 0.01; and the demo's
+   communication-bound MLP x0.5, 2 ranks, 300 steps, ``100mbit:15s,20mbit:30s,100mbit``,
+   evaluation every 25 steps, statics flex at 0.01 and 0.1.  Per seed: target = 0.95 x that
+   seed's dense best; reported as mean and spread (min-max) over seeds: time to target, final
+   accuracy, auto's time to target over the fastest static setting's, auto's final accuracy
+   minus dense's (``e2e_seeds.*`` and ``e2e_seeds_mlp.*``: CSV, Markdown, PNG).
 1. ResNet-18 x0.125, 2 ranks, 400 steps: dense, fp16, PowerSGD rank 1 and 4, AG-Topk 0.01,
    MSTopk 0.01, AR-Topk STAR 0.1 / 0.01 / 0.001, VAR 0.01, flex 0.01, STAR density=auto.
 2. Non-IID: ResNet-18, 4 ranks, Dirichlet(0.1) label skew, 300 steps: VAR vs STAR at 0.01.
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import matplotlib
@@ -56,20 +57,42 @@ from flexcomm.train.report import draw_leader_shares  # noqa: E402
 
 FLEXCOMM = ("agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
 SEEDS = (1, 2, 3)
-#: (compressor, density) of the seeded comparison; dense first (it sets each seed's target).
-SEEDED = (("dense", None), ("flex", "0.01"), ("agtopk", "0.01"), ("flex", "auto"))
-SEEDED_GROUP = "resnet18 2 ranks, seeds"
-#: Steps and phases of the seeded group: the phases are 2.5-3x those of the seed-0 group, for
-#: steps measured 3-5x slower on this machine while it was shared (~0.5 s per dense step).
-SEEDED_STEPS = 300
-SEEDED_NET = "1gbit:20s,30mbit:60s,200mbit"
+@dataclass(frozen=True)
+class SeededGroup:
+    """Dense, static densities and ``density="auto"`` over several seeds, one model."""
+
+    name: str
+    label: str  # the model as the report names it
+    stem: str  # result files: results/<stem>.csv, .md, .png
+    model: str
+    methods: tuple[tuple[str, str | None, str | None], ...]  # (compressor, density, auto rule); dense sets the target
+    steps: int
+    net: str
+    eval_every: int = runs.EVAL_EVERY
+
+    def specs(self, seeds: tuple[int, ...] = SEEDS) -> list[Spec]:
+        """Seed by seed, so a cut-short run set still holds whole seeds; the methods' order rotates with
+        the seed, so that seeds run side by side (``--seeds``) run different methods at the same time."""
+        m = self.methods
+        return [Spec(self.model, c, d, seed=seed, steps=self.steps, net=self.net, auto_every=10, auto_warmup=20,
+                     eval_every=self.eval_every, auto_rule=rule)
+                for seed in seeds for c, d, rule in m[seed % len(m):] + m[:seed % len(m)]]
 
 
-def seeded(seeds: tuple[int, ...] = SEEDS) -> list[Spec]:
-    """Seed by seed, so a cut-short run set still holds whole seeds; the methods' order rotates with
-    the seed, so that seeds run side by side (``--seeds``) run different methods at the same time."""
-    return [Spec("resnet18", c, d, seed=seed, steps=SEEDED_STEPS, net=SEEDED_NET, auto_every=10, auto_warmup=20)
-            for seed in seeds for c, d in SEEDED[seed % len(SEEDED):] + SEEDED[:seed % len(SEEDED)]]
+SEEDED_GROUPS = {
+    # Steps and phases: 2.5-3x those of the seed-0 group, for steps measured 3-5x slower on this
+    # machine while it was shared (~0.5 s per dense step).
+    "resnet18": SeededGroup("resnet18 2 ranks, seeds", "ResNet-18 x0.125", "e2e_seeds", "resnet18",
+                            (("dense", None, None), ("flex", "0.01", None), ("agtopk", "0.01", None),
+                             ("flex", "auto", "goodput"), ("flex", "auto", "near-fastest")),
+                            300, "1gbit:20s,30mbit:60s,200mbit"),
+    # Communication-bound: the demo's MLP (dense ~0.3 s per step at 100 Mbit, ~1.3 s at 20 Mbit,
+    # compute ~10 ms), so time to target is decided by what crosses the link.
+    "mlp": SeededGroup("mlp 2 ranks, seeds", "MLP x0.5", "e2e_seeds_mlp", "mlp",
+                       (("dense", None, None), ("flex", "0.01", None), ("flex", "0.1", None),
+                        ("flex", "auto", "goodput"), ("flex", "auto", "near-fastest")),
+                       300, "100mbit:15s,20mbit:30s,100mbit", eval_every=25),
+}
 
 
 def resnet_2() -> list[Spec]:
@@ -106,7 +129,7 @@ def small(model: str) -> list[Spec]:
 
 
 GROUPS: list[tuple[str, Any, bool]] = [  # name, specs, optional
-    (SEEDED_GROUP, seeded, False),
+    *((g.name, g.specs, False) for g in SEEDED_GROUPS.values()),
     ("resnet18 2 ranks", resnet_2, False),
     ("resnet18 4 ranks non-IID", noniid, False),
     ("resnet18 4 ranks", resnet_4, True),
@@ -124,11 +147,13 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--report-only", action="store_true", help="run nothing; tables and plots from the runs there are")
     ap.add_argument("--seeds", type=lambda text: tuple(int(x) for x in text.split(",")),
-                    help="run only the seeded group's runs of these seeds (comma-separated), no report: for "
+                    help="run only a seeded group's runs of these seeds (comma-separated), no report: for "
                          "one process per seed side by side; then --report-only")
+    ap.add_argument("--seeded-model", choices=sorted(SEEDED_GROUPS), default="resnet18",
+                    help="the seeded group --seeds runs (default: %(default)s)")
     args = ap.parse_args()
     if args.seeds:
-        runs.Runner(f"e2e seeds {args.seeds}").run_all(seeded(args.seeds))
+        runs.Runner(f"e2e seeds {args.seeds}").run_all(SEEDED_GROUPS[args.seeded_model].specs(args.seeds))
         return
 
     groups = [(name, make(), optional) for name, make, optional in GROUPS]
@@ -179,11 +204,14 @@ def report(groups: list[tuple[str, list[Spec]]], dropped: list[str], frac: float
     write_csv(RESULTS / "e2e.csv", rows, float_format=".6g")
     ratios = headline(loaded.get("resnet18 2 ranks", []), target_of)
     write_md(rows, loaded, dropped, frac, alt_frac, targets, ratios)
-    single = {name: rs for name, rs in loaded.items() if name != SEEDED_GROUP}  # seeds: e2e_seeds.png
+    seeded_names = {g.name for g in SEEDED_GROUPS.values()}
+    single = {name: rs for name, rs in loaded.items() if name not in seeded_names}  # seeds: e2e_seeds*.png
     plot_accuracy(single, target_of)
     plot_phases(single)
     plot_leaders(loaded.get("resnet18 4 ranks non-IID", []))
-    for line in ratios + e2e_seeds.summarize(loaded.get(SEEDED_GROUP, []), target_of):
+    seeded_lines = [line for g in SEEDED_GROUPS.values()
+                    for line in e2e_seeds.summarize(loaded.get(g.name, []), target_of, g.label, g.stem)]
+    for line in ratios + seeded_lines:
         print(line)
     print(f"wrote {RESULTS / 'e2e.csv'}, e2e.md, e2e_accuracy.png, e2e_phases.png, e2e_leaders.png, e2e_seeds.*")
 

@@ -62,6 +62,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "resnet18": {"width": 0.125, "steps": 400, "net": NET},
     "vit": {"width": 0.5, "steps": 400, "net": NET},
     "alexnet": {"width": 0.125, "steps": 500, "net": NET_FAST},
+    # The demo's MLP: 2.7 MB of gradients and little compute per step, so the network decides.
+    "mlp": {"width": 0.5, "steps": 300, "net": NET},
 }
 #: 4 ranks on 2 cores are oversubscribed (~2x slower steps) and see 2x the samples per step.
 STEPS_4 = 300
@@ -89,6 +91,8 @@ class Spec:
     seed: int = SEED
     auto_every: int = AUTO_EVERY  # --auto-every of density="auto" (also its ramp's steps per candidate)
     auto_warmup: int | None = None  # --auto-warmup; default auto_warmup(steps)
+    eval_every: int = EVAL_EVERY
+    auto_rule: str | None = None  # --auto-rule; None: flexcomm-train's default (of the day the run ran)
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # -- resolved settings -----------------------------------------------------------------------
@@ -109,7 +113,8 @@ class Spec:
             return f"powersgd-r{self.powersgd_rank or 1}"
         if self.density is None or self.compressor == "dense":
             return self.compressor
-        return f"{self.compressor} {self.density}"
+        rule = f" {self.auto_rule}" if self.auto_rule not in (None, "goodput") else ""
+        return f"{self.compressor} {self.density}{rule}"
 
     @property
     def group(self) -> str:
@@ -122,7 +127,7 @@ class Spec:
             "--model", self.model, "--width", f"{MODELS[self.model]['width']:g}",
             "--nproc", str(self.nproc), "--net", self.schedule,
             "--steps", str(self.n_steps), "--train-subset", str(TRAIN_SUBSET),
-            "--test-subset", str(TEST_SUBSET), "--eval-every", str(EVAL_EVERY),
+            "--test-subset", str(TEST_SUBSET), "--eval-every", str(self.eval_every),
             "--seed", str(self.seed), "--checkpoint-every", "0", "--no-report",
             "--compressor", self.compressor,
         ]
@@ -133,6 +138,8 @@ class Spec:
         if self.density == "auto":
             warmup = auto_warmup(self.n_steps) if self.auto_warmup is None else self.auto_warmup
             a += ["--auto-warmup", str(warmup), "--auto-every", str(self.auto_every)]
+            if self.auto_rule is not None:
+                a += ["--auto-rule", self.auto_rule]
         if self.compressor == "powersgd":
             a += ["--powersgd-rank", str(self.powersgd_rank or 1)]
         return a

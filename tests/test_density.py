@@ -102,6 +102,39 @@ def test_near_fastest_follows_a_network_that_slows_down_and_recovers() -> None:
     assert densities[10] == 0.011 and densities[20] == 1.0
 
 
+def test_goodput_applies_the_most_gradient_energy_per_second() -> None:
+    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+    # gain**2 / seconds: 0.33, 0.54, 0.41, 0.23, 0.09, 0.04 -> 0.1, though 0.001 is the fastest.
+    slow = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]
+    controller = DensityController(CANDIDATES, rule="goodput", warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert settled(controller, gains, slow, steps=20)[-1] == 0.1
+    # Compute-bound (the exchange is a small part of the step): every sparse density loses energy
+    # for almost no time -> dense.
+    controller = DensityController(CANDIDATES, rule="goodput", warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert settled(controller, gains, [1.2, 1.02, 1.01, 1.0, 1.0, 1.0], steps=20)[-1] == 1.0
+
+
+def test_goodput_is_the_default_and_follows_a_network_that_slows_down_and_recovers() -> None:
+    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+    fast, slow = [1.05, 1.02, 1.01, 1.0, 1.0, 1.0], [4.0, 1.6, 1.2, 1.08, 1.02, 1.0]
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert controller.rule == "goodput"
+    densities = [controller.update(step, gains, seconds) for step, seconds in
+                 enumerate([fast] * 10 + [slow] * 10 + [fast] * 10)]
+    assert densities[9] == 1.0 and densities[19] == 0.1 and densities[29] == 1.0
+    assert densities[10] == 0.1 and densities[20] == 1.0  # at the first update that sees the change
+
+
+def test_goodput_keeps_its_density_against_a_marginal_winner() -> None:
+    controller = DensityController(CANDIDATES, rule="goodput", warmup_steps=0, ramp_steps=1, measure_every=1)
+    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+    assert controller.update(0, gains, [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]) == 0.1
+    # 0.033 now wins by 2% (0.49 / 0.89 vs 0.81 / 1.5), less than the 5% hysteresis: stay.
+    assert controller.update(1, gains, [3.0, 1.5, 0.89, 1.08, 1.02, 1.0]) == 0.1
+    # By 20%: move.
+    assert controller.update(2, gains, [3.0, 1.5, 0.75, 1.08, 1.02, 1.0]) == 0.033
+
+
 def test_no_oscillation_over_a_thousand_steps_of_constant_inputs() -> None:
     gains, seconds = model_inputs(alpha=1e-4, beta=8 / 1e8, t_comp=5e-3)  # 100 Mbit/s
     controller = DensityController(CANDIDATES, warmup_steps=10, ramp_steps=20, measure_every=5)
@@ -125,7 +158,7 @@ def test_warmup_and_ramp_bound_the_density() -> None:
 @pytest.mark.parametrize("kwargs,message", [
     ({"candidates": (1.0, 0.0)}, "candidates must be densities in"),
     ({"candidates": (0.1, 0.1)}, "candidates must be distinct"),
-    ({"rule": "best"}, "rule must be one of near-fastest, asf, min-time, knee"),
+    ({"rule": "best"}, "rule must be one of goodput, near-fastest, asf, min-time, knee"),
     ({"time_weight": 1.0}, "time_weight must be in"),
     ({"time_slack": -0.1}, "time_slack must be a number >= 0"),
     ({"measure_every": 0}, "measure_every must be an int >= 1"),

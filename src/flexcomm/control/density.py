@@ -11,13 +11,21 @@ For each candidate density c the controller knows two objectives, agreed by all 
 The candidates that no other candidate beats on both objectives form the Pareto front;
 one of them is picked by a rule:
 
-``asf`` (default)  achievement scalarizing: normalize both objectives to [0, 1] over the
+``goodput``        (default) the candidate that delivers the most gradient energy per second,
+                   ``g(c)**2 / t(c)``: ``g**2`` is the share of the error-corrected gradient's
+                   energy a step applies (top-k's contraction factor in error-feedback
+                   analyses), so this is goodput in Pollux's sense, throughput times
+                   statistical efficiency.  Dense wins while the exchange is a small part of
+                   the step (``1 / t(1)`` beats every ``g**2 / t(c)``), a sparse density once
+                   dense's exchange dominates; among sparse densities it stops where halving
+                   the bytes no longer buys back the energy left behind.
+``asf``            achievement scalarizing: normalize both objectives to [0, 1] over the
                    front (0 = best), minimize ``max(w_t * t_n, w_g * g_n)`` plus a tiny
                    sum term that breaks ties toward the Pareto-better point;
                    ``w_t = time_weight`` (0.6), ``w_g = 1 - time_weight`` (0.4).
 ``min-time``       the fastest candidate whose gain is at least ``min_gain``.
 ``knee``           the front point farthest from the line joining its two ends.
-``near-fastest``   (default) epsilon-constraint: the candidate with the highest gain among
+``near-fastest``   epsilon-constraint: the candidate with the highest gain among
                    those whose predicted step time is within ``time_slack`` (10%) of the
                    fastest candidate's.  It gives up at most that much speed to send as much
                    of the gradient as it can: dense where the network is fast enough that
@@ -40,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-RULES = ("near-fastest", "asf", "min-time", "knee")
+RULES = ("goodput", "near-fastest", "asf", "min-time", "knee")
 DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
 #: How many of the newest decisions the controller keeps (and checkpoints).
 DECISION_LOG = 1000
@@ -115,7 +123,7 @@ class DensityController:
     def __init__(
         self,
         candidates: Sequence[float] = DEFAULT_CANDIDATES,
-        rule: str = "near-fastest",
+        rule: str = "goodput",
         time_slack: float = 0.1,
         time_weight: float = 0.6,
         min_gain: float = 0.5,
@@ -209,6 +217,8 @@ class DensityController:
             _moved(now, before, self.cost_change) for now, before in zip(seconds, last["seconds"]))
 
     def _pick(self, front: list[Candidate]) -> Candidate:
+        if self.rule == "goodput":
+            return max(front, key=lambda c: (_goodput(c), c.density))
         if self.rule == "near-fastest":
             return max(self._near_fastest(front), key=lambda c: (c.gain, c.density))
         if self.rule == "min-time":
@@ -226,6 +236,8 @@ class DensityController:
 
     def _clearly_better(self, chosen: Candidate, current: Candidate, front: list[Candidate]) -> bool:
         """Hysteresis, in the rule's own terms: leave a density still on the front only for a clear gain."""
+        if self.rule == "goodput":
+            return _goodput(chosen) > _goodput(current) * (1.0 + self.hysteresis)
         if self.rule == "near-fastest":
             if current not in self._near_fastest(front):
                 return True  # too slow now: leave at once
@@ -246,6 +258,11 @@ class DensityController:
         self.density = state["density"]
         self._last = state["last"]
         self.decisions = deque(state["decisions"], maxlen=DECISION_LOG)
+
+
+def _goodput(c: Candidate) -> float:
+    """Gradient energy share applied per second of step."""
+    return c.gain * c.gain / c.seconds if c.seconds > 0.0 else math.inf
 
 
 def _moved(now: float, before: float, threshold: float) -> bool:

@@ -80,59 +80,46 @@ def test_asf_picks_a_compromise_between_the_extremes() -> None:
     assert final == 0.1
 
 
-def test_near_fastest_sends_the_most_within_the_time_slack() -> None:
-    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
-    # Step times (s): 0.011 is the densest within 10% of the fastest (1.0 s).
-    seconds = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]
-    controller = DensityController(CANDIDATES, rule="near-fastest", warmup_steps=0, ramp_steps=1, measure_every=1)
-    assert settled(controller, gains, seconds, steps=20)[-1] == 0.011
-    # A fast network: dense within 10% of the fastest -> dense.
-    controller = DensityController(CANDIDATES, rule="near-fastest", warmup_steps=0, ramp_steps=1, measure_every=1)
-    assert settled(controller, gains, [1.05, 1.02, 1.01, 1.0, 1.0, 1.0], steps=20)[-1] == 1.0
+# Gains of the candidates, a slow network's step times (s) and a fast one's.
+GAINS = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+SLOW = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]
+FAST = [1.05, 1.02, 1.01, 1.0, 1.0, 1.0]
 
 
-def test_near_fastest_follows_a_network_that_slows_down_and_recovers() -> None:
-    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
-    fast, slow = [1.05, 1.02, 1.01, 1.0, 1.0, 1.0], [4.0, 1.6, 1.2, 1.08, 1.02, 1.0]
-    controller = DensityController(CANDIDATES, rule="near-fastest", warmup_steps=0, ramp_steps=1, measure_every=1)
-    densities = [controller.update(step, gains, seconds) for step, seconds in
-                 enumerate([fast] * 10 + [slow] * 10 + [fast] * 10)]
-    assert densities[9] == 1.0 and densities[19] == 0.011 and densities[29] == 1.0
-    # It leaves a density that fell out of the slack at the first update that sees it.
-    assert densities[10] == 0.011 and densities[20] == 1.0
+@pytest.mark.parametrize("rule,on_slow", [
+    # goodput, gain**2 / seconds: 0.33, 0.54, 0.41, 0.23, 0.09, 0.04 -> 0.1, though 0.001 is the fastest.
+    ("goodput", 0.1),
+    # near-fastest: 0.011 is the densest within 10% of the fastest (1.0 s).
+    ("near-fastest", 0.011),
+])
+def test_rule_picks_its_point_on_a_slow_network_and_dense_on_a_fast_one(rule: str, on_slow: float) -> None:
+    controller = DensityController(CANDIDATES, rule=rule, warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert settled(controller, GAINS, SLOW, steps=20)[-1] == on_slow
+    # Fast network (the exchange a small part of the step): sparse densities lose gain for ~no time.
+    controller = DensityController(CANDIDATES, rule=rule, warmup_steps=0, ramp_steps=1, measure_every=1)
+    assert settled(controller, GAINS, FAST, steps=20)[-1] == 1.0
 
 
-def test_goodput_applies_the_most_gradient_energy_per_second() -> None:
-    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
-    # gain**2 / seconds: 0.33, 0.54, 0.41, 0.23, 0.09, 0.04 -> 0.1, though 0.001 is the fastest.
-    slow = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]
-    controller = DensityController(CANDIDATES, rule="goodput", warmup_steps=0, ramp_steps=1, measure_every=1)
-    assert settled(controller, gains, slow, steps=20)[-1] == 0.1
-    # Compute-bound (the exchange is a small part of the step): every sparse density loses energy
-    # for almost no time -> dense.
-    controller = DensityController(CANDIDATES, rule="goodput", warmup_steps=0, ramp_steps=1, measure_every=1)
-    assert settled(controller, gains, [1.2, 1.02, 1.01, 1.0, 1.0, 1.0], steps=20)[-1] == 1.0
-
-
-def test_goodput_is_the_default_and_follows_a_network_that_slows_down_and_recovers() -> None:
-    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
-    fast, slow = [1.05, 1.02, 1.01, 1.0, 1.0, 1.0], [4.0, 1.6, 1.2, 1.08, 1.02, 1.0]
-    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)
-    assert controller.rule == "goodput"
-    densities = [controller.update(step, gains, seconds) for step, seconds in
-                 enumerate([fast] * 10 + [slow] * 10 + [fast] * 10)]
-    assert densities[9] == 1.0 and densities[19] == 0.1 and densities[29] == 1.0
-    assert densities[10] == 0.1 and densities[20] == 1.0  # at the first update that sees the change
+@pytest.mark.parametrize("rule,on_slow", [(None, 0.1), ("near-fastest", 0.011)])
+def test_rule_follows_a_network_that_slows_down_and_recovers(rule: str | None, on_slow: float) -> None:
+    slower = [4.0, 1.6, 1.2, 1.08, 1.02, 1.0]
+    settings = {} if rule is None else {"rule": rule}  # None: the default rule, goodput
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1, **settings)
+    assert controller.rule == (rule or "goodput")
+    densities = [controller.update(step, GAINS, seconds) for step, seconds in
+                 enumerate([FAST] * 10 + [slower] * 10 + [FAST] * 10)]
+    assert densities[9] == 1.0 and densities[19] == on_slow and densities[29] == 1.0
+    # It leaves a density that is no longer its rule's choice at the first update that sees it.
+    assert densities[10] == on_slow and densities[20] == 1.0
 
 
 def test_goodput_keeps_its_density_against_a_marginal_winner() -> None:
     controller = DensityController(CANDIDATES, rule="goodput", warmup_steps=0, ramp_steps=1, measure_every=1)
-    gains = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
-    assert controller.update(0, gains, [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]) == 0.1
+    assert controller.update(0, GAINS, SLOW) == 0.1
     # 0.033 now wins by 2% (0.49 / 0.89 vs 0.81 / 1.5), less than the 5% hysteresis: stay.
-    assert controller.update(1, gains, [3.0, 1.5, 0.89, 1.08, 1.02, 1.0]) == 0.1
+    assert controller.update(1, GAINS, [3.0, 1.5, 0.89, 1.08, 1.02, 1.0]) == 0.1
     # By 20%: move.
-    assert controller.update(2, gains, [3.0, 1.5, 0.75, 1.08, 1.02, 1.0]) == 0.033
+    assert controller.update(2, GAINS, [3.0, 1.5, 0.75, 1.08, 1.02, 1.0]) == 0.033
 
 
 def test_no_oscillation_over_a_thousand_steps_of_constant_inputs() -> None:

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import flexcomm
 
 from flexcomm.comm import allreduce_floats, probe_collectives
+from flexcomm.control import step_log
 from flexcomm.control.exchange import BucketCosts, ExchangeChooser, StepSample, best_plan, simulate_step
-from flexcomm.cost import CostEstimator, CostParams, LinkParams, predict_exchange_times
+from flexcomm.cost import CostEstimator, CostParams, LinkParams, Observation, predict_exchange_times
 from multiproc import run_world
 from test_hook_distributed import M, exchange, gradient, hooked_model
 
@@ -323,15 +324,17 @@ def test_switching_exchanges_keeps_every_rank_on_the_same_model() -> None:
             assert torch.equal(r["model"][name], tensor), name
 
 
+def step_log_on_clock(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> step_log.StepLog:
+    """A step log whose clock reads ``times``, one per entered / finished call."""
+    clock = iter(times)
+    monkeypatch.setattr(step_log, "perf_counter", lambda: next(clock))
+    return step_log.StepLog()
+
+
 def test_step_log_splits_overlapping_collectives_by_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two 25 MB allreduces launched 10 ms apart share the link and finish at 400 and 410 ms; a
     # small allgather starts after both.  Serial queueing would give the second one 10 ms.
-    from flexcomm.control import step_log
-    from flexcomm.cost import Observation
-
-    clock = iter([0.0, 0.010, 0.400, 0.410, 0.420, 0.450])
-    monkeypatch.setattr(step_log, "perf_counter", lambda: next(clock))
-    log = step_log.StepLog()
+    log = step_log_on_clock(monkeypatch, [0.0, 0.010, 0.400, 0.410, 0.420, 0.450])
     log.entered(7, 0, "dense", 1.0, 6_250_000, 4, 0.2)  # t = 0
     log.entered(7, 1, "dense", 1.0, 6_250_000, 4, 0.2)  # t = 0.010
     log.finished(7, 0, Observation("allreduce", 25_000_000, 2, 0.400), 0.0)  # done 0.400
@@ -348,12 +351,7 @@ def test_step_log_gives_a_long_allreduce_the_period_it_spans(monkeypatch: pytest
     # A 25 MB allreduce runs 0-210 ms; two 250 kB AR-Topk value allreduces are launched at 30
     # and 60 ms and finish before it (gloo runs them alongside).  One busy period of 210 ms,
     # split by bytes: the long one keeps ~206 ms, not only the time after the small ones.
-    from flexcomm.control import step_log
-    from flexcomm.cost import Observation
-
-    clock = iter([0.0, 0.030, 0.050, 0.060, 0.080, 0.210])
-    monkeypatch.setattr(step_log, "perf_counter", lambda: next(clock))
-    log = step_log.StepLog()
+    log = step_log_on_clock(monkeypatch, [0.0, 0.030, 0.050, 0.060, 0.080, 0.210])
     log.entered(3, 0, "dense", 0.01, 6_250_000, 4, 0.2)  # t = 0
     log.entered(3, 1, "artopk", 0.01, 6_250_000, 4, 0.01)  # t = 0.030
     log.finished(3, 1, Observation("allreduce", 250_000, 2, 0.020), 0.0)  # done 0.050

@@ -16,6 +16,7 @@ hung in gloo's ``connectFullMesh`` or was refused).
 from __future__ import annotations
 
 import json
+import re
 import multiprocessing
 import os
 import signal
@@ -72,10 +73,17 @@ def kill_rank_after(job: subprocess.Popen[str], run_dir: Path, steps: int, rank:
         if job.poll() is not None:
             pytest.fail(f"the job ended before step {steps}:\n{job.stdout.read() if job.stdout else ''}")
         assert time.monotonic() < deadline, "no progress"
-        time.sleep(0.2)
+        time.sleep(0.05)
     victim = rank_pids("flexcomm.train.worker", str(run_dir / "config.json")).get(rank)
     assert victim is not None
     os.kill(victim, sig)
+
+
+def resumed_from_a_checkpoint_before_the_end(output: str) -> bool:
+    """Whether the restarted workers resumed from a checkpoint written before the last step
+    (which one depends on how many steps ran between the kill's trigger and its arrival)."""
+    found = re.search(r"resuming at step (\d+)", output)
+    return found is not None and int(found.group(1)) in range(EVERY, STEPS, EVERY)
 
 
 def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -85,8 +93,8 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_resumed_exactly(run_dir: Path, reference: Path) -> None:
-    """The restart resumed from step 10 (the last checkpoint before the kill): the log holds
-    every step once, and the model matches the uninterrupted run exactly."""
+    """After the restart from the last checkpoint before the kill, the log holds every step
+    once, and the model matches the uninterrupted run exactly."""
     steps = [json.loads(line)["step"] for line in (run_dir / RECORDS_FILE).read_text().splitlines()]
     assert steps == list(range(STEPS))
     expected, got = final_model(reference), final_model(run_dir)
@@ -112,7 +120,7 @@ def test_torchrun_restart_after_a_killed_rank_resumes_bitwise(reference: Path, t
     output = job.communicate(timeout=JOB_TIMEOUT)[0]
     assert job.returncode == 0, output
     assert "exitcode: -9" in output  # torchrun saw the kill...
-    assert f"resuming at step {EVERY}" in output  # ...and the restarted workers resumed
+    assert resumed_from_a_checkpoint_before_the_end(output), output  # ...and the restarted workers resumed
     assert_resumed_exactly(config.parent, reference)
 
 
@@ -122,7 +130,7 @@ def test_flexcomm_train_max_restarts_resumes_bitwise(reference: Path, tmp_path: 
     kill_rank_after(job, run_dir, KILL_AFTER)
     output = job.communicate(timeout=JOB_TIMEOUT)[0]
     assert job.returncode == 0, output
-    assert "restart 1 of 1" in output and f"resuming at step {EVERY}" in output
+    assert "restart 1 of 1" in output and resumed_from_a_checkpoint_before_the_end(output), output
     assert_resumed_exactly(run_dir, reference)
 
 
@@ -137,7 +145,7 @@ def test_flexcomm_train_restarts_after_a_stopped_rank_times_out(reference: Path,
     kill_rank_after(job, run_dir, KILL_AFTER, sig=signal.SIGSTOP)
     output = job.communicate(timeout=JOB_TIMEOUT)[0]
     assert job.returncode == 0, output
-    assert "restart 1 of 1" in output and f"resuming at step {EVERY}" in output
+    assert "restart 1 of 1" in output and resumed_from_a_checkpoint_before_the_end(output), output
     assert_resumed_exactly(run_dir, reference)
 
 

@@ -12,7 +12,7 @@ order (optional groups are dropped, last first, when the budget would be exceede
 0. Seeds (``SEEDED_GROUPS``), run seed by seed (or ``--seeds`` one process per seed), seeds 1, 2, 3:
    dense, static densities and flex with ``density=auto`` (``--auto-warmup 20 --auto-every 10``,
    the rule ``goodput``, and the former default ``near-fastest``), in two groups: ResNet-18 x0.125, 2 ranks, 300
-   steps, ``1gbit:20s,30mbit:60s,200mbit``, statics flex and AG-Topk at 0.01; and the demo's
+   steps, ``1gbit:3s,30mbit:10s,200mbit``, statics flex and AG-Topk at 0.01; and the demo's
    communication-bound MLP x0.5, 2 ranks, 300 steps, ``100mbit:15s,20mbit:30s,100mbit``,
    evaluation every 25 steps, statics flex at 0.01 and 0.1.  Per seed: target = 0.95 x that
    seed's dense best; reported as mean and spread (min-max) over seeds: time to target, final
@@ -80,12 +80,12 @@ class SeededGroup:
 
 
 SEEDED_GROUPS = {
-    # Steps and phases: 2.5-3x those of the seed-0 group, for steps measured 3-5x slower on this
-    # machine while it was shared (~0.5 s per dense step).
+    # Phases sized for the idle machine, one run at a time (~30 ms per step at 1 Gbit): every run
+    # reaches the 30 Mbit phase after ~100 steps; compressed runs end in it, dense leaves it.
     "resnet18": SeededGroup("resnet18 2 ranks, seeds", "ResNet-18 x0.125", "e2e_seeds", "resnet18",
                             (("dense", None, None), ("flex", "0.01", None), ("agtopk", "0.01", None),
                              ("flex", "auto", "goodput"), ("flex", "auto", "near-fastest")),
-                            300, "1gbit:20s,30mbit:60s,200mbit"),
+                            300, "1gbit:3s,30mbit:10s,200mbit"),
     # Communication-bound: the demo's MLP (dense ~0.3 s per step at 100 Mbit, ~1.3 s at 20 Mbit,
     # compute ~10 ms), so time to target is decided by what crosses the link.
     "mlp": SeededGroup("mlp 2 ranks, seeds", "MLP x0.5", "e2e_seeds_mlp", "mlp",

@@ -55,7 +55,7 @@ import faults  # noqa: E402
 
 from flexcomm.netem import EmulatedCluster  # noqa: E402
 from flexcomm.train import checkpoint  # noqa: E402
-from flexcomm.train.worker import error_file  # noqa: E402
+from flexcomm.train.rank_files import error_file  # noqa: E402
 
 STEPS, EVERY = 30, 10
 #: The victim ended (the run finished) before the moment the fault waited for came.

@@ -14,7 +14,7 @@ from flexcomm.train import cli, report
 from flexcomm.train.config import TrainConfig
 from flexcomm.launch import RankFailed, RankProcess, supervise
 from flexcomm.train.job import explain_failure, run_job
-from flexcomm.train.worker import error_file
+from flexcomm.train.rank_files import error_file
 
 TINY = [
     "--dataset", "synthetic", "--train-subset", "512", "--test-subset", "128", "--model", "alexnet",
@@ -66,7 +66,7 @@ def test_rank_failure_is_reported(tmp_path: Path) -> None:
 
 
 def report_error(tmp_path: Path, rank: int, error: str) -> str:
-    """Python code that reports ``error`` as rank ``rank`` does (see worker._write_error), then exits 1."""
+    """Python code that reports ``error`` as rank ``rank`` does (see rank_files.write_error), then exits 1."""
     info = f"{{'time': time.time(), 'error': {error!r}}}"
     path = str(error_file(tmp_path, rank))
     return f"import json, sys, time; open({path!r}, 'w').write(json.dumps({info})); sys.exit(1)"

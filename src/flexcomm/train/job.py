@@ -25,7 +25,7 @@ from flexcomm.launch import Explain, RankFailed, describe_exit, run_ranks
 from flexcomm.netem import EmulatedCluster, ScheduleRunner, parse_schedule
 from flexcomm.train.config import CONFIG_FILE, TrainConfig
 from flexcomm.train.records import NETWORK_FILE
-from flexcomm.train.worker import STARTED_MARKER, error_file
+from flexcomm.train.rank_files import STARTED_MARKER, error_file
 
 __all__ = ["run_job", "explain_failure"]
 

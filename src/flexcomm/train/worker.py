@@ -21,8 +21,6 @@ import logging
 import os
 import signal
 import sys
-import time
-import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,18 +49,13 @@ from flexcomm.train.rank_data import (
     steps_per_epoch,
 )
 from flexcomm.train.models import build_model, count_parameters
+from flexcomm.train.rank_files import STARTED_MARKER, error_file, write_error
 from flexcomm.train.records import RecordWriter, read_records, summarize, write_summary
 
-#: Rank 0 creates this once every rank is ready to train; the launcher starts the bandwidth schedule then.
-STARTED_MARKER = ".training-started"
 DATA_FILE = "data.json"
 EVAL_BATCH = 500
 
 log = logging.getLogger(__name__)
-
-
-def error_file(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / f"error-rank{rank}.json"
 
 
 @dataclass(frozen=True)
@@ -101,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         run_rank(cfg, config_path.parent, me)
     except Exception as exc:
         if not error_file(config_path.parent, me.rank).exists():
-            _write_error(config_path.parent, me.rank, exc)
+            write_error(config_path.parent, me.rank, exc)
         raise
 
 
@@ -114,29 +107,10 @@ def run_rank(cfg: TrainConfig, run_dir: Path, me: Identity) -> None:
     except Exception as exc:
         # Written before the group is torn down: peers fail only once it is, so the
         # launcher sees the original error first (by its time stamp).
-        _write_error(run_dir, me.rank, exc)
+        write_error(run_dir, me.rank, exc)
         raise
     finally:
         dist.destroy_process_group()
-
-
-def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
-    info = {
-        "rank": rank,
-        "time": time.time(),
-        "error": _describe(exc),
-        "traceback": traceback.format_exc(),
-    }
-    error_file(run_dir, rank).write_text(json.dumps(info, indent=2) + "\n")
-
-
-def _describe(exc: BaseException) -> str:
-    """The error, with what gloo's terse timeout messages ("Application timeout caused pair
-    closure", "Timed out waiting ...") mean for the run."""
-    text = f"{type(exc).__name__}: {exc}"
-    if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-        text += " (a peer did not answer within the process-group timeout, --timeout: it stopped, hung or lost its link)"
-    return text
 
 
 def _should_resume(cfg: TrainConfig, run_dir: Path) -> bool:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from flexcomm.comm import own_group
 from flexcomm.exchange import EXCHANGES
 from flexcomm.state import FlexState, HandedBucket
 
@@ -63,11 +64,17 @@ def register(ddp_model: DistributedDataParallel, state: FlexState | None = None,
     Equivalent to ``ddp_model.register_comm_hook(state, hook)``, plus names: residuals are
     then kept per parameter, so they survive DDP's bucket rebuild and checkpoints restore
     them under any bucket layout.  Pass a ``state`` or the arguments of :class:`FlexState`.
+
+    A state made here gets a process group of its own with DDP's ranks (see
+    :func:`flexcomm.comm.own_group`): DDP's own collectives (``find_unused_parameters``,
+    ``static_graph``), other DDP models and the script's collectives cannot interleave
+    with the hook's.  Every rank must call ``register`` at the same point, as it builds DDP.
+    A ``state`` passed in keeps the group it was given.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(_NOT_WRAPPED.format(kind=type(ddp_model).__name__))
     if state is None:
-        state = FlexState(process_group=ddp_model.process_group, **state_args)
+        state = FlexState(process_group=own_group(ddp_model.process_group), **state_args)
     elif state_args:
         raise TypeError("pass either a FlexState or FlexState arguments, not both")
     state.bind_parameters(ddp_model.module.named_parameters())

@@ -122,7 +122,8 @@ class FlexState:
     """Everything the hook keeps between calls: configuration, residuals, counters, records.
 
     Args:
-        process_group: the group to communicate over (``None``: the default group).
+        process_group: the group to communicate over (``None``: the default group); only this
+            state's collectives may run on it (see :func:`flexcomm.comm.own_group`).
         compressor: one of :data:`COMPRESSORS`.
         density: fraction of each bucket's elements sent, in (0, 1], or ``"auto"``.
         controller: the :class:`DensityController` of ``density="auto"`` (default settings if None).

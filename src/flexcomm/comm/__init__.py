@@ -3,7 +3,8 @@
 from flexcomm.comm.agreement import agree_on_config, allreduce_floats
 from flexcomm.comm.collectives import allgather, allreduce_sum, broadcast_from, control_device
 from flexcomm.comm.dispatch import Dispatcher
+from flexcomm.comm.groups import own_group
 from flexcomm.comm.probes import probe_collectives
 
 __all__ = ["Dispatcher", "agree_on_config", "allgather", "allreduce_floats", "allreduce_sum", "broadcast_from",
-           "control_device", "probe_collectives"]
+           "control_device", "own_group", "probe_collectives"]

@@ -99,6 +99,38 @@ def test_a_refit_keeps_the_calibrated_prediction_of_measured_pairs() -> None:
     assert model.predicted(0, "artopk", 0.1, 2) == pytest.approx(0.03 * ratio)
 
 
+def test_after_a_link_change_the_exchanges_not_in_use_follow_the_model() -> None:
+    # Dense was measured once on a 1 Gbit link; flex then ran AR-Topk for many refits.  The
+    # link drops to 20 Mbit: the allreduce fit follows it, and dense's prediction must follow
+    # the fit (seconds), not stay at its old 1 Gbit measurement (tens of ms).
+    model = chooser_at(1e9, [0], numel=2_000_000)
+    at_1gbit = model.predicted(0, "dense", 0.1, 2)
+    model.observe(0, [StepSample(0, "dense", 0.1, 0.0, at_1gbit, 0.0)], 2)
+    model.refresh()
+    for step in range(1, 40):
+        model.observe(step, [StepSample(0, "artopk", 0.1, 0.005, model.predicted(0, "artopk", 0.1, 2), 0.0)], 2)
+        if step % 10 == 0:
+            model.refresh()
+    assert model.predicted(0, "dense", 0.1, 2) == pytest.approx(at_1gbit, rel=0.01)
+    for size in (1 << 16, 1 << 20, 1 << 23):  # the link at 20 Mbit/s
+        for _ in range(20):
+            model.estimator.observe("allreduce", size, 2, 1e-4 + 2 * size * 8 / 20e6)
+    model.refresh()
+    assert model.predicted(0, "dense", 0.1, 2) > 20 * at_1gbit
+
+
+def test_a_change_of_regime_replaces_the_smoothed_measurement() -> None:
+    # Within a factor JUMP the calibration is an EWMA (noise); beyond it the new value is
+    # taken whole (the link changed): one agreed sample suffices.
+    model = chooser_at(1e9, [0])
+    modelled = model.predicted(0, "artopk", 0.01, 2)
+    model.observe(0, [StepSample(0, "artopk", 0.01, 0.0, modelled, 0.0)], 2)
+    model.observe(1, [StepSample(0, "artopk", 0.01, 0.0, 2 * modelled, 0.0)], 2)
+    assert model.predicted(0, "artopk", 0.01, 2) == pytest.approx(1.3 * modelled)
+    model.observe(2, [StepSample(0, "artopk", 0.01, 0.0, 50 * modelled, 0.0)], 2)
+    assert model.predicted(0, "artopk", 0.01, 2) == pytest.approx(50 * modelled)
+
+
 def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None:
     model = chooser_at(1e9, [0, 1])
     model.sizes[1] = (2_000_000, 4)
@@ -146,10 +178,25 @@ def test_guard_goes_all_dense_when_dense_steps_measure_faster() -> None:
     model.replan(0.01, 2)
     assert model.plan == {0: "dense", 1: "dense"}
     assert [model.choose(0, step, 0.01, 2) for step in (10, 11, 12, 13)] == [simulated[0]] * 3 + ["dense"]
-    model.observe_steps(20, dense=None, other=0.2)  # the sparse plan got faster (EWMA 0.8 -> 0.62)
+    model.observe_steps(20, dense=None, other=0.2)  # the sparse plan got 4x faster: taken whole (0.8 -> 0.2)
     model.observe_steps(30, dense=None, other=0.1)
     model.replan(0.01, 2)
     assert model.plan == simulated
+
+
+def test_guard_forgets_a_dense_period_measured_before_the_link_changed() -> None:
+    # All-dense steps measured 80 ms on a fast link; the link drops and the sparse plan's
+    # steps jump from 25 ms to 1 s.  The old dense period must not make the plan all-dense
+    # (dense would now take seconds): the guard waits until dense is measured again.
+    model = chooser_at(1e7, [0, 1])
+    model.replan(0.01, 2)
+    simulated = dict(model.plan)
+    assert set(simulated.values()) != {"dense"}
+    model.observe_steps(10, dense=0.08, other=0.025)
+    model.observe_steps(20, dense=None, other=1.0)
+    model.replan(0.01, 2)
+    assert model.plan == simulated
+    assert "dense" not in model.measured_steps
 
 
 def test_single_bucket_choices_follow_the_link() -> None:

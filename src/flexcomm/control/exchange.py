@@ -25,11 +25,18 @@ changes at a time, only for a gain above ``hysteresis``).
 
 ``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` (EWMA of measured /
 modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).
-The estimator refits (alpha, beta) at every agreement point, so each ``kappa`` is rebased
-then to the new parameters at the density it was last measured at: a measured pair keeps
-its calibrated prediction whatever the refit does, and the model only carries it to other
-densities.  (Without the rebase a ratio taken against the old fit was applied to the new
-one: dense at 1 Gbit was predicted at 124 ms while it measured 220 ms step after step.)
+The estimator refits (alpha, beta) at every agreement point.  A pair measured since the
+previous refit has its ``kappa`` rebased to the new parameters at the density it was
+measured at: it keeps its calibrated prediction whatever the refit does, and the model only
+carries it to other densities.  (Without the rebase a ratio taken against the old fit was
+applied to the new one: dense at 1 Gbit was predicted at 124 ms while it measured 220 ms
+step after step.)  A pair not measured since is not rebased: its prediction follows the
+model, so a link that changed moves the exchanges flex is not using.  (Rebasing those too
+kept dense at its 1 Gbit time after a drop to 20 Mbit, and flex chose it: 4 s steps.)
+
+Every EWMA (calibration, local work, gaps, the guard's step periods) takes a new value
+whole when it differs from the old one by more than a factor ``JUMP``: that is a change of
+regime (a link that dropped or came back), not noise to average away.
 ``block`` of an unmeasured pair comes from the measured seconds per element of sparse
 exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
 
@@ -65,6 +72,8 @@ EXCHANGE_ORDER = ("dense", "artopk", "agtopk")
 GUARD_MARGIN = 5.0
 #: Consecutive steps of a guard trial: the agreed median of a few steps, not one noisy step.
 GUARD_TRIAL_STEPS = 3
+#: A measurement this many times above or below the smoothed value replaces it (a change of regime).
+JUMP = 3.0
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,8 @@ class ExchangeChooser:
         self._kappa_at: dict[tuple[int, str], tuple[float, int]] = {}
         self._gap: dict[int, float] = {}
         self._measured_at: dict[tuple[int, str], int] = {}
+        # Pairs measured since the last refresh: the ones whose calibration a refit must not move.
+        self._fresh: set[tuple[int, str]] = set()
         # The guard: measured whole-step periods of all-dense steps and of the others, (seconds, step).
         self.measured_steps: dict[str, tuple[float, int]] = {}
         self._simulated_plan: dict[int, str] = {}
@@ -170,13 +181,14 @@ class ExchangeChooser:
     def refresh(self) -> None:
         """Take the estimator's current (alpha, beta) for the next predictions (at agreement points).
 
-        Every calibration is rebased to the new parameters, so that the prediction of a
-        measured pair at the density it was measured at stays what the measurements made it.
+        The calibration of every pair measured since the last refresh is rebased to the new
+        parameters, so that its prediction at the density it was measured at stays what the
+        measurements made it; the others follow the model.
         """
         params = self.estimator.params
         for key, (density, world) in sorted(self._kappa_at.items()):
             bucket, exchange = key
-            if bucket not in self.sizes:
+            if bucket not in self.sizes or key not in self._fresh:
                 continue
             numel, vb = self.sizes[bucket]
             before = predict_exchange_times(numel, density, world, self.params, vb)[exchange]
@@ -184,6 +196,7 @@ class ExchangeChooser:
             if before > 0.0 and after > 0.0:
                 self._kappa[key] *= before / after
         self.params = params
+        self._fresh.clear()
 
     # -- measurements ---------------------------------------------------------------------
     def observe(self, step: int, samples: Sequence[StepSample], world: int) -> None:
@@ -197,10 +210,16 @@ class ExchangeChooser:
             self._smooth(self._block, key, s.block)
             self._smooth(self._gap, s.bucket, s.gap)
             self._measured_at[key] = step
+            self._fresh.add(key)
 
     def _smooth(self, table: dict, key: Any, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else self.smoothing * old + (1.0 - self.smoothing) * value
+        table[key] = self._smoothed(table.get(key), value)
+
+    def _smoothed(self, old: float | None, value: float) -> float:
+        """The EWMA of ``old`` and ``value``; ``value`` alone when there is no ``old`` or it jumped."""
+        if old is None or _jumped(old, value):
+            return value
+        return self.smoothing * old + (1.0 - self.smoothing) * value
 
     # -- predictions ----------------------------------------------------------------------
     def costs(self, bucket: int, density: float, world: int) -> BucketCosts:
@@ -250,12 +269,21 @@ class ExchangeChooser:
             self.plan = {b: "dense" for b in self.order}
 
     def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
-        """Agreed median step periods of the last all-dense steps and of the others (None: none ran)."""
-        for kind, seconds in (("dense", dense), ("other", other)):
-            if seconds is not None:
-                old = self.measured_steps.get(kind)
-                smoothed = seconds if old is None else self.smoothing * old[0] + (1.0 - self.smoothing) * seconds
-                self.measured_steps[kind] = (smoothed, step)
+        """Agreed median step periods of the last all-dense steps and of the others (None: none ran).
+
+        When one of them jumps (a change of regime), the other one, measured before the
+        change, is dropped: the guard compares the two again only once both are re-measured.
+        """
+        new = {kind: seconds for kind, seconds in (("dense", dense), ("other", other)) if seconds is not None}
+        jumped = {kind for kind, seconds in new.items()
+                  if kind in self.measured_steps and _jumped(self.measured_steps[kind][0], seconds)}
+        for kind in jumped:
+            unmeasured = "other" if kind == "dense" else "dense"
+            if unmeasured not in new:
+                self.measured_steps.pop(unmeasured, None)
+        for kind, seconds in new.items():
+            old = self.measured_steps.get(kind)
+            self.measured_steps[kind] = (self._smoothed(old[0] if old else None, seconds), step)
 
     def _guard_trial(self, step: int, density: float, world: int) -> dict[int, str] | None:
         """Every ``guard_every`` steps, ``GUARD_TRIAL_STEPS`` steps of the plan the guard is not using, if not far off."""
@@ -330,7 +358,8 @@ class ExchangeChooser:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
                 "plan": dict(self.plan), "block": _pairs(self._block), "kappa": _pairs(self._kappa),
                 "kappa_at": _pairs(self._kappa_at), "gap": dict(self._gap),
-                "measured_at": _pairs(self._measured_at), "measured_steps": dict(self.measured_steps),
+                "measured_at": _pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
+                "measured_steps": dict(self.measured_steps),
                 "simulated_plan": dict(self._simulated_plan)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -342,8 +371,14 @@ class ExchangeChooser:
         self._kappa_at = {key: (float(d), int(w)) for key, (d, w) in _unpairs(state.get("kappa_at", [])).items()}
         self._gap = {int(b): float(g) for b, g in state["gap"].items()}
         self._measured_at = _unpairs(state["measured_at"])
+        self._fresh = {(int(b), str(e)) for b, e in state.get("fresh", [])}
         self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}
         self._simulated_plan = {int(b): str(e) for b, e in state["simulated_plan"].items()}
+
+
+def _jumped(old: float, value: float) -> bool:
+    """``value`` is more than ``JUMP`` times above or below ``old``: a change of regime, not noise."""
+    return not old / JUMP <= value <= old * JUMP
 
 
 def _pairs(table: dict[tuple[int, str], Any]) -> list[list[Any]]:

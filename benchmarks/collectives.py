@@ -39,7 +39,7 @@ Writes ``collectives.csv`` (one row per measured point, predictions of both fits
 lines of the all-sizes fit, log-log, one panel per rate).  ``--refit`` recomputes the
 fits, errors and plot from the measured columns of an existing ``collectives.csv``.
 
-The measurement is the op-timing job of ``common.py`` (:func:`common.time_plan_worker`).
+The measurement is the op-timing job of ``common.py`` (:func:`op_timing.time_plan_worker`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import op_timing
 from common import COLLECTIVES, EXCHANGES, ONE_MB, median
 from flexcomm.compress import k_for
 from flexcomm.cost import CostParams, collective_time, predict_exchange_times
@@ -72,7 +73,7 @@ def predict_row(row: dict[str, Any], n: int, params: CostParams, density: float)
 
 def add_predictions(rate: str, n: int, rows: list[dict[str, Any]], density: float) -> dict[str, CostParams]:
     """Fit on all sizes (the spec) and on sizes >= 1 MB only; add both predictions to ``rows``."""
-    fits = {"all": common.fit_collectives(rows, n, rate), "ge1MB": common.fit_collectives(rows, n, rate, ONE_MB)}
+    fits = {"all": op_timing.fit_collectives(rows, n, rate), "ge1MB": op_timing.fit_collectives(rows, n, rate, ONE_MB)}
     for r in rows:
         r["payload_bytes"] = _payload_bytes(r["kind"], r["bytes"], density)
         for label, params in fits.items():
@@ -137,14 +138,14 @@ def _fit_json(params: CostParams) -> dict[str, dict[str, float]]:
 def measure(args: argparse.Namespace, rates: Sequence[str], worlds: Sequence[int], sizes: Sequence[float]
             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run one job per (rate, N); returns the measured points and the skipped ops."""
-    jobs = [(rate, n, *common.make_plan(rate, n, sizes, args.density, args.max_op_seconds))
+    jobs = [(rate, n, *op_timing.make_plan(rate, n, sizes, args.density, args.max_op_seconds))
             for n in worlds for rate in rates]
-    print(f"{len(jobs)} jobs, nominal {sum(common.plan_seconds(p) for *_, p, _ in jobs) / 60:.1f} min of ops")
+    print(f"{len(jobs)} jobs, nominal {sum(op_timing.plan_seconds(p) for *_, p, _ in jobs) / 60:.1f} min of ops")
     rows, skipped = [], []
     for rate, n, plan, skip in jobs:
         skipped += [{"rate": rate, "world_size": n, **{k: s[k] for k in ("op", "bytes", "est_s")}} for s in skip]
-        raw = common.run_plan(__file__, rate, n, plan, args.density, "fcc")
-        rows += common.point_rows(rate, n, plan, raw)
+        raw = op_timing.run_plan(__file__, rate, n, plan, args.density, "fcc")
+        rows += op_timing.point_rows(rate, n, plan, raw)
     return rows, skipped
 
 
@@ -212,4 +213,4 @@ def _print_report(errors: Sequence[dict[str, Any]], fits: dict[str, Any], fits_l
 
 
 if __name__ == "__main__":
-    common.main_or_worker(main, common.time_plan_worker)
+    common.main_or_worker(main, op_timing.time_plan_worker)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import op_timing
 from common import COLLECTIVES, EXCHANGES
 from flexcomm.cost import CostParams, LinkParams
 from flexcomm.netem import parse_rate
@@ -49,7 +50,7 @@ QUICK_FIT_SIZES = (1e3, 1e5, 1e6, 4e6)
 def make_plan(rate: str, n: int, buckets: Sequence[int], densities: Sequence[float], fit_sizes: Sequence[float],
               max_op_s: float) -> list[dict[str, Any]]:
     """Collectives to fit on, and every (bucket, density, exchange) to measure."""
-    plan, _ = common.make_plan(rate, n, fit_sizes, densities[0], max_op_s, ops=COLLECTIVES)
+    plan, _ = op_timing.make_plan(rate, n, fit_sizes, densities[0], max_op_s, ops=COLLECTIVES)
     params = common.nominal_params(rate)
     for numel in sorted(set(buckets)):
         for density in densities:
@@ -57,7 +58,7 @@ def make_plan(rate: str, n: int, buckets: Sequence[int], densities: Sequence[flo
                 if op == "dense" and density != densities[0]:
                     continue  # dense does not depend on the density: measured once
                 est = common.nominal_exchange_seconds(op, numel, density, n, params)
-                plan.append(common.plan_entry(op, numel * 4, est, density=density))
+                plan.append(op_timing.plan_entry(op, numel * 4, est, density=density))
     return plan
 
 
@@ -152,10 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in worlds:
         for rate in rates:
             plan = make_plan(rate, n, buckets, densities, fit_sizes, args.max_op_seconds)
-            points = common.point_rows(rate, n, plan, common.run_plan(__file__, rate, n, plan, densities[0], "fcm"))
+            points = op_timing.point_rows(rate, n, plan, op_timing.run_plan(__file__, rate, n, plan, densities[0], "fcm"))
             measured = measured_exchanges(points)
-            fits = {"this_run": common.fit_collectives(points, n, rate),
-                    "this_run_ge1MB": common.fit_collectives(points, n, rate, common.ONE_MB)}
+            fits = {"this_run": op_timing.fit_collectives(points, n, rate),
+                    "this_run_ge1MB": op_timing.fit_collectives(points, n, rate, common.ONE_MB)}
             for key, label in (("fits", "collectives.py"), ("fits_ge1MB", "collectives.py_ge1MB")):
                 other = from_collectives_json(args.out_dir / "collectives_fit.json", rate, n, key)
                 if other is not None:
@@ -185,4 +186,4 @@ def _print_report(rows: Sequence[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
-    common.main_or_worker(main, common.time_plan_worker)
+    common.main_or_worker(main, op_timing.time_plan_worker)

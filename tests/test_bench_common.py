@@ -10,17 +10,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import common  # noqa: E402
+import op_timing  # noqa: E402
 
 from flexcomm.cost import CostParams, LinkParams, collective_time  # noqa: E402
 
 
 def test_point_rows_take_the_median_and_an_exchange_s_communication_part() -> None:
-    plan = [common.plan_entry("allreduce", 4000, 0.01), common.plan_entry("agtopk", 4000, 0.01, density=0.1)]
+    plan = [op_timing.plan_entry("allreduce", 4000, 0.01), op_timing.plan_entry("agtopk", 4000, 0.01, density=0.1)]
     raw = [{"entry": 0, "round": r, "times": [t]} for r, t in enumerate((3.0, 1.0, 1.5))]
     # exchange samples: [step wall, t_compress, t_compress + t_exchange]
     raw += [{"entry": 1, "round": r, "times": [w, c, c + x]}
             for r, (w, c, x) in enumerate(((9.0, 1.0, 4.0), (8.0, 2.0, 9.0), (1.0, 6.0, 5.0)))]
-    collective, exchange = common.point_rows("1gbit", 2, plan, raw)
+    collective, exchange = op_timing.point_rows("1gbit", 2, plan, raw)
     assert (collective["measured_s"], collective["min_s"], collective["compress_s"]) == (1.5, 1.0, 0.0)  # medians
     assert "density" not in collective
     assert (exchange["measured_s"], exchange["min_s"]) == (5.0, 4.0)
@@ -32,18 +33,18 @@ def test_fit_collectives_recovers_the_alpha_and_beta_that_made_the_times() -> No
                        broadcast=LinkParams(1e-4, 8 / 950e6))
     rows = [{"kind": kind, "bytes": int(size), "measured_s": collective_time(kind, size, 4, truth)}
             for kind in common.COLLECTIVES for size in (1e3, 1e5, 1e6, 1e7)]
-    fitted = common.fit_collectives(rows, 4, "1gbit")
+    fitted = op_timing.fit_collectives(rows, 4, "1gbit")
     for kind in common.COLLECTIVES:
         assert fitted.link(kind).alpha == pytest.approx(truth.link(kind).alpha, rel=0.01)
         assert fitted.link(kind).beta == pytest.approx(truth.link(kind).beta, rel=0.01)
     # only the sizes >= min_bytes count: one wrong small point no longer matters
     rows.append({"kind": "allreduce", "bytes": 100, "measured_s": 1.0})
-    assert common.fit_collectives(rows, 4, "1gbit", 1e3).allreduce.beta == pytest.approx(truth.allreduce.beta,
+    assert op_timing.fit_collectives(rows, 4, "1gbit", 1e3).allreduce.beta == pytest.approx(truth.allreduce.beta,
                                                                                          rel=0.01)
 
 
 def test_make_plan_skips_ops_whose_nominal_time_exceeds_the_limit() -> None:
-    plan, skipped = common.make_plan("10mbit", 2, (1e3, 1e8), density=0.1, max_op_s=10.0)
+    plan, skipped = op_timing.make_plan("10mbit", 2, (1e3, 1e8), density=0.1, max_op_s=10.0)
     assert {(e["op"], e["bytes"]) for e in plan} == {(op, 1000) for op in (*common.COLLECTIVES, *common.EXCHANGES)}
     assert {e["bytes"] for e in skipped} == {100_000_000}
     assert all(e["bytes"] % (4 * 2) == 0 and e["reps"] >= 3 for e in plan)

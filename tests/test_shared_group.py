@@ -98,3 +98,16 @@ def test_two_models_in_one_backward(second_hooked: bool) -> None:
 
 def test_models_on_two_subgroups() -> None:
     assert_replicas_equal(run_world(_subgroups, 4, timeout_s=30), [(0, 1), (2, 3)])
+
+
+def _own_group_timeout(rank: int, world: int) -> float:
+    ddp = model(0)
+    state = flexcomm.register(ddp, compressor="flex", density=0.1)
+    backend = state.process_group._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+def test_the_hook_s_own_group_keeps_the_job_s_timeout() -> None:
+    # A dead peer must be detected as soon as on DDP's group (run_world sets 17 s), not
+    # after the backend's default of many minutes.
+    assert run_world(_own_group_timeout, 2, timeout_s=17) == [17.0, 17.0]

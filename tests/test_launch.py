@@ -197,3 +197,21 @@ def test_the_error_quotes_only_the_last_stderr_lines() -> None:
     with pytest.raises(RankFailed) as info:
         run_ranks(None, 1, [sys.executable, "-c", code], timeout=60)
     assert info.value.stderr_tail.splitlines() == [f"line {i}" for i in range(70, 100)]
+
+
+def test_a_signal_while_ranks_start_is_raised_once_they_are_known() -> None:
+    # CI caught SIGINT landing while rank 1's output readers were starting: rank 1 was not yet
+    # in the launcher's list and outlived it.  Inside ``deferred`` the signal waits for the block.
+    from flexcomm.launch import _StopSignals
+
+    signals = _StopSignals()
+    started = []
+    with pytest.raises(SystemExit) as info:
+        with signals.deferred():
+            signals.handle(signal.SIGTERM, None)
+            started.append("rank 1")  # the block finishes first
+    assert started == ["rank 1"] and info.value.code == 128 + signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        signals.handle(signal.SIGINT, None)  # outside the block: at once
+    with signals.deferred():
+        pass  # nothing pending any more

@@ -311,24 +311,57 @@ def _first_failed(ranks: Sequence[RankProcess], failed: list[int], codes: list[i
     return failed[0], _blame(ranks[failed[0]], describe_exit(codes[failed[0]]))
 
 
+class _StopSignals:
+    """SIGINT as KeyboardInterrupt, SIGTERM as SystemExit(143); held back while ranks start.
+
+    A signal that lands while :func:`start_ranks` is half way (a process started, its
+    readers not yet) would leave that rank out of the list the launcher stops, alive after
+    the launcher is gone: inside :meth:`deferred` it is raised only once the block is done.
+    """
+
+    def __init__(self) -> None:
+        self._deferring = False
+        self._pending: int | None = None
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self._deferring:
+            self._pending = signum
+            return
+        _raise_for(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            signum, self._pending = self._pending, None
+            _raise_for(signum)
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def _signals_stop_ranks() -> Iterator[None]:
-    """While ranks run, SIGINT raises KeyboardInterrupt and SIGTERM SystemExit(143) (main thread only).
+def _signals_stop_ranks() -> Iterator[_StopSignals]:
+    """While ranks run, SIGINT and SIGTERM raise (see :class:`_StopSignals`; main thread only).
 
     Also where SIGINT was ignored (a shell's background job): else the ranks would outlive a kill.
     """
+    signals = _StopSignals()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield signals
         return
-
-    def on_term(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in previous:
+        signal.signal(sig, signals.handle)
     try:
-        yield
+        yield signals
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -357,12 +390,14 @@ def run_ranks(
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
-    with _signals_stop_ranks():
+    with _signals_stop_ranks() as signals:
         while True:
-            ranks = start_ranks(argv, world_size, cluster=cluster, env=env, port=port, output=output,
-                                on_line=on_line, restart_count=attempt, max_restarts=max_restarts)  # fmt: skip
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ranks: list[RankProcess] = []
             try:
+                with signals.deferred():
+                    ranks = start_ranks(argv, world_size, cluster=cluster, env=env, port=port, output=output,
+                                        on_line=on_line, restart_count=attempt, max_restarts=max_restarts)  # fmt: skip
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 supervise(ranks, timeout=left, on_poll=on_poll, explain=explain)
             except RankFailed as exc:
                 if isinstance(exc, RanksTimedOut) or attempt == max_restarts:
@@ -373,6 +408,9 @@ def run_ranks(
                 if on_restart is not None:
                     on_restart(attempt, exc)
                 continue
+            except BaseException:
+                stop_ranks(ranks)
+                raise
             return [CompletedRank(r.rank, r.proc.returncode, r.out.text() if r.out else "",
                                   r.err.text() if r.err else "") for r in ranks]  # fmt: skip
 

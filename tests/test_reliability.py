@@ -72,6 +72,13 @@ def _train_steps(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range
         opt.step()
 
 
+# flex decides from measured times, which differ between the two runs; it takes no new
+# decision in steps 5-7 (it agrees on measurements at steps 1, 2, 4, 8 and every
+# flex_interval; explores at multiples of 10; guard trials at steps 0-2 mod 25), so from a
+# checkpoint after step 5 a correct restore reproduces steps 5-7 bit for bit.
+RESUME_AT, END = 5, 8
+
+
 def _resume(rank: int, world: int, compressor: str) -> dict:
     def fresh() -> tuple[DDP, torch.optim.Optimizer, flexcomm.FlexState]:
         # One bucket whose parameter order DDP reverses after step 0: a restarted DDP starts
@@ -81,17 +88,17 @@ def _resume(rank: int, world: int, compressor: str) -> dict:
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
 
     model, opt, state = fresh()
-    _train_steps(model, opt, rank, range(3))
+    _train_steps(model, opt, rank, range(RESUME_AT))
     checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()},
                   "opt": copy.deepcopy(opt.state_dict()), "flex": copy.deepcopy(state.state_dict())}
-    _train_steps(model, opt, rank, range(3, 6))
+    _train_steps(model, opt, rank, range(RESUME_AT, END))
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
     model, opt, state = fresh()  # a restarted process: new DDP, initial bucket layout
     model.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["opt"])
     state.load_state_dict(checkpoint["flex"])
-    _train_steps(model, opt, rank, range(3, 6))
+    _train_steps(model, opt, rank, range(RESUME_AT, END))
     resumed = [p.detach().clone() for p in model.parameters()]
     return {"equal": all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)), "step": state.step}
 
@@ -99,7 +106,7 @@ def _resume(rank: int, world: int, compressor: str) -> dict:
 @pytest.mark.parametrize("compressor", ["artopk-var", "flex"])
 def test_resume_from_checkpoint_continues_bitwise(compressor: str) -> None:
     for result in run_world(_resume, 2, compressor):
-        assert result == {"equal": True, "step": 6}
+        assert result == {"equal": True, "step": END}
 
 
 # ---------------------------------------------------------------- hostile numbers

@@ -34,9 +34,11 @@ step after step.)  A pair not measured since is not rebased: its prediction foll
 model, so a link that changed moves the exchanges flex is not using.  (Rebasing those too
 kept dense at its 1 Gbit time after a drop to 20 Mbit, and flex chose it: 4 s steps.)
 
-Every EWMA (calibration, local work, gaps, the guard's step periods) takes a new value
-whole when it differs from the old one by more than a factor ``JUMP``: that is a change of
-regime (a link that dropped or came back), not noise to average away.
+The guard's step periods (each the agreed median of a few steps) take a new value whole
+when it differs from the old one by more than a factor ``JUMP``: a change of regime (a link
+that dropped or came back), not noise to average away.  The per-exchange samples stay
+plain EWMAs: the plan's own pairs are measured every step, so they follow a change within
+one agreement interval, and single slow samples (frequent on a busy CPU) do not flip it.
 ``block`` of an unmeasured pair comes from the measured seconds per element of sparse
 exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
 
@@ -68,11 +70,13 @@ from typing import Any
 from flexcomm.cost import CostEstimator, CostParams, predict_exchange_times
 
 EXCHANGE_ORDER = ("dense", "artopk", "agtopk")
-#: The guard tries all-dense steps only while the model rates them within this factor of the plan's.
-GUARD_MARGIN = 5.0
+#: The guard tries all-dense steps only while the model rates them within this factor of the plan's:
+#: what it corrects (compute and collectives sharing the CPU) is tens of percent, and after a
+#: drop the model can rate dense several times too fast (a 3-step trial at 20 Mbit cost 12 s).
+GUARD_MARGIN = 1.5
 #: Consecutive steps of a guard trial: the agreed median of a few steps, not one noisy step.
 GUARD_TRIAL_STEPS = 3
-#: A measurement this many times above or below the smoothed value replaces it (a change of regime).
+#: A guard period this many times above or below the smoothed one replaces it (a change of regime).
 JUMP = 3.0
 
 
@@ -213,13 +217,8 @@ class ExchangeChooser:
             self._fresh.add(key)
 
     def _smooth(self, table: dict, key: Any, value: float) -> None:
-        table[key] = self._smoothed(table.get(key), value)
-
-    def _smoothed(self, old: float | None, value: float) -> float:
-        """The EWMA of ``old`` and ``value``; ``value`` alone when there is no ``old`` or it jumped."""
-        if old is None or _jumped(old, value):
-            return value
-        return self.smoothing * old + (1.0 - self.smoothing) * value
+        old = table.get(key)
+        table[key] = value if old is None else self.smoothing * old + (1.0 - self.smoothing) * value
 
     # -- predictions ----------------------------------------------------------------------
     def costs(self, bucket: int, density: float, world: int) -> BucketCosts:
@@ -283,7 +282,10 @@ class ExchangeChooser:
                 self.measured_steps.pop(unmeasured, None)
         for kind, seconds in new.items():
             old = self.measured_steps.get(kind)
-            self.measured_steps[kind] = (self._smoothed(old[0] if old else None, seconds), step)
+            if old is None or kind in jumped:
+                self.measured_steps[kind] = (seconds, step)
+            else:
+                self.measured_steps[kind] = (self.smoothing * old[0] + (1.0 - self.smoothing) * seconds, step)
 
     def _guard_trial(self, step: int, density: float, world: int) -> dict[int, str] | None:
         """Every ``guard_every`` steps, ``GUARD_TRIAL_STEPS`` steps of the plan the guard is not using, if not far off."""

@@ -34,13 +34,14 @@ step after step.)  A pair not measured since is not rebased: its prediction foll
 model, so a link that changed moves the exchanges flex is not using.  (Rebasing those too
 kept dense at its 1 Gbit time after a drop to 20 Mbit, and flex chose it: 4 s steps.)
 
+``block`` of an unmeasured pair comes from the measured seconds per element of sparse
+exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
+
 The guard's step periods (each the agreed median of a few steps) take a new value whole
 when it differs from the old one by more than a factor ``JUMP``: a change of regime (a link
 that dropped or came back), not noise to average away.  The per-exchange samples stay
 plain EWMAs: the plan's own pairs are measured every step, so they follow a change within
 one agreement interval, and single slow samples (frequent on a busy CPU) do not flip it.
-``block`` of an unmeasured pair comes from the measured seconds per element of sparse
-exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
 
 Exploration: the plan's own choices are measured at every step; an alternative is only
 measured when it is tried.  Every ``explore_every`` steps one bucket (by the step counter)

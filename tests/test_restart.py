@@ -35,7 +35,9 @@ from flexcomm.launch import rank_pids
 from flexcomm.train import checkpoint, cli
 from flexcomm.train.records import RECORDS_FILE
 
-STEPS, EVERY, KILL_AFTER = 30, 10, 15
+#: The kill is sent once step 15 is logged; 75 more steps (~2 s on an idle machine) leave it
+#: time to land before the run ends (with 15 more, a fast CI run once finished first).
+STEPS, EVERY, KILL_AFTER = 90, 10, 15
 ARGS = ["--dataset", "synthetic", "--train-subset", "512", "--test-subset", "64", "--net", "none",
         "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--eval-every", "20",
         "--compressor", "artopk-var", "--density", "0.05", "--threads", "1", "--timeout", "60", "--no-report"]

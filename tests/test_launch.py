@@ -202,9 +202,9 @@ def test_the_error_quotes_only_the_last_stderr_lines() -> None:
 def test_a_signal_while_ranks_start_is_raised_once_they_are_known() -> None:
     # CI caught SIGINT landing while rank 1's output readers were starting: rank 1 was not yet
     # in the launcher's list and outlived it.  Inside ``deferred`` the signal waits for the block.
-    from flexcomm.launch import _StopSignals
+    from flexcomm.stop_signals import StopSignals
 
-    signals = _StopSignals()
+    signals = StopSignals()
     started = []
     with pytest.raises(SystemExit) as info:
         with signals.deferred():

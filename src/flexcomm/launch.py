@@ -23,19 +23,19 @@ on a port of its own, so no rank meets what a dead attempt left behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+from flexcomm.stop_signals import signals_stop_ranks
 
 if TYPE_CHECKING:  # the launcher runs without the emulator; only the type is needed here
     from flexcomm.netem import EmulatedCluster
@@ -311,62 +311,6 @@ def _first_failed(ranks: Sequence[RankProcess], failed: list[int], codes: list[i
     return failed[0], _blame(ranks[failed[0]], describe_exit(codes[failed[0]]))
 
 
-class _StopSignals:
-    """SIGINT as KeyboardInterrupt, SIGTERM as SystemExit(143); held back while ranks start.
-
-    A signal that lands while :func:`start_ranks` is half way (a process started, its
-    readers not yet) would leave that rank out of the list the launcher stops, alive after
-    the launcher is gone: inside :meth:`deferred` it is raised only once the block is done.
-    """
-
-    def __init__(self) -> None:
-        self._deferring = False
-        self._pending: int | None = None
-
-    def handle(self, signum: int, frame: object) -> None:
-        if self._deferring:
-            self._pending = signum
-            return
-        _raise_for(signum)
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self._deferring = True
-        try:
-            yield
-        finally:
-            self._deferring = False
-        if self._pending is not None:
-            signum, self._pending = self._pending, None
-            _raise_for(signum)
-
-
-def _raise_for(signum: int) -> None:
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _signals_stop_ranks() -> Iterator[_StopSignals]:
-    """While ranks run, SIGINT and SIGTERM raise (see :class:`_StopSignals`; main thread only).
-
-    Also where SIGINT was ignored (a shell's background job): else the ranks would outlive a kill.
-    """
-    signals = _StopSignals()
-    if threading.current_thread() is not threading.main_thread():
-        yield signals
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        signal.signal(sig, signals.handle)
-    try:
-        yield signals
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
 def run_ranks(
     cluster: EmulatedCluster | None, world_size: int, argv: Sequence[str], *,
     env: Mapping[str, str] | None = None, timeout: float | None = 600.0, port: int | None = None,
@@ -390,7 +334,7 @@ def run_ranks(
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
-    with _signals_stop_ranks() as signals:
+    with signals_stop_ranks() as signals:
         while True:
             ranks: list[RankProcess] = []
             try:

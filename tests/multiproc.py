@@ -14,6 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+def raised(call: Callable[[], Any]) -> str:
+    """The message of what ``call()`` raises (DDP re-raises a hook's error from backward), or ``"no error"``."""
+    try:
+        call()
+    except Exception as err:
+        return str(err)
+    return "no error"
+
+
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0, sync_exit: bool = True) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on every rank of a fresh gloo group; return the results by rank.
 

@@ -169,6 +169,14 @@ class DensityController:
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)
         self._last: dict[str, Any] | None = None
 
+    def settings(self) -> dict[str, object]:
+        """Every option that changes a decision: ranks whose settings differ would choose differently."""
+        return {"candidates": self.candidates, "rule": self.rule, "time_slack": self.time_slack,
+                "time_weight": self.time_weight, "min_gain": self.min_gain, "measure_every": self.measure_every,
+                "warmup_steps": self.warmup_steps, "ramp_steps": self.ramp_steps,
+                "redecide_every": self.redecide_every, "gain_change": self.gain_change,
+                "cost_change": self.cost_change, "hysteresis": self.hysteresis}
+
     def measure_at(self, step: int) -> bool:
         """Whether the hook should measure the gain curve at this step."""
         return step >= self.warmup_steps and (step - self.warmup_steps) % self.measure_every == 0

@@ -178,6 +178,11 @@ class ExchangeChooser:
         self.measured_steps: dict[str, tuple[float, int]] = {}
         self._simulated_plan: dict[int, str] = {}
 
+    def settings(self) -> dict[str, object]:
+        """Every option that changes a plan: ranks whose settings differ would plan differently."""
+        return {"smoothing": self.smoothing, "hysteresis": self.hysteresis, "explore_every": self.explore_every,
+                "explore_margin": self.explore_margin, "guard_every": self.guard_every}
+
     @property
     def order(self) -> list[int]:
         """The buckets in hook order (DDP hands them over by index)."""

@@ -253,14 +253,12 @@ class StepPlanner:
                                    if math.isfinite(s.predicted))
 
     def fingerprint(self) -> dict[str, object]:
-        """The decision settings that must be equal on every rank."""
+        """The decision settings that must be equal on every rank, one key per option (the error names it)."""
         controller = self.controller
-        return {
-            "density": "auto" if controller else self.fixed_density,
-            "controller": (controller.candidates, controller.rule, controller.time_slack, controller.time_weight,
-                           controller.measure_every, controller.warmup_steps, controller.ramp_steps) if controller else None,
-            "warmup_steps": self.warmup_steps,
-        }
+        settings = {f"controller.{name}": value for name, value in controller.settings().items()} if controller else {}
+        if self.estimating:
+            settings.update({f"chooser.{name}": value for name, value in self.chooser.settings().items()})
+        return {"density": "auto" if controller else self.fixed_density, **settings, "warmup_steps": self.warmup_steps}
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -3,7 +3,7 @@
 Needs the optional extra: ``pip install flexcomm[lightning]``.
 
 :class:`FlexCommStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`
-plus three things Lightning's own ``ddp_comm_hook`` route does not do:
+plus four things Lightning's own ``ddp_comm_hook`` route does not do:
 
 * it registers flexcomm on every device, CPU (gloo) included; Lightning registers comm
   hooks only on CUDA and silently trains plain DDP elsewhere;
@@ -13,7 +13,11 @@ plus three things Lightning's own ``ddp_comm_hook`` route does not do:
   rank's hook state, and ``fit(ckpt_path=...)`` gives each rank its own back.  Lightning
   writes the file from rank 0 only, so every rank's state is gathered there first; and it
   restores the checkpoint before the model is wrapped in DDP, so the states are kept
-  until the hook is registered.
+  until the hook is registered;
+* rank 0's :meth:`flexcomm.FlexState.metrics` (keys ``flexcomm/...``, see
+  :mod:`flexcomm.telemetry`) reach the trainer's loggers every ``log_every_n_steps``
+  optimizer steps, through Lightning's own logging (so they share rows with the
+  module's metrics), with no code in the LightningModule.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -72,6 +78,12 @@ class FlexCommStrategy(DDPStrategy):
         self.state: flexcomm.FlexState | None = None
         self._saved_rank_states: list[dict[str, Any]] | None = None
 
+    def setup(self, trainer: pl.Trainer) -> None:
+        """DDPStrategy's setup, after adding the callback that logs flexcomm's metrics (once per trainer)."""
+        if not any(isinstance(callback, _LogMetrics) for callback in trainer.callbacks):
+            trainer.callbacks.append(_LogMetrics(self))
+        super().setup(trainer)
+
     def _register_ddp_hooks(self) -> None:
         """Called by :meth:`configure_ddp` right after the model is wrapped (Lightning: CUDA only)."""
         if not isinstance(self.model, DistributedDataParallel):
@@ -104,3 +116,29 @@ class FlexCommStrategy(DDPStrategy):
             self._saved_rank_states = rank_states
         else:
             load_own_rank_state(self.state, rank_states)
+
+
+class _LogMetrics(Callback):
+    """Logs rank 0's ``strategy.state.metrics()`` after every ``log_every_n_steps``-th optimizer step.
+
+    Through ``LightningModule.log_dict``: Lightning then writes them to every logger with
+    the step and rows of the module's own metrics.  Only on the steps Lightning writes
+    (global step a multiple of ``log_every_n_steps``, or the trainer stopping), because on a GPU
+    reading the metrics waits for the step's device work.
+    """
+
+    def __init__(self, strategy: FlexCommStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        state = self.strategy.state
+        every = trainer.log_every_n_steps
+        if state is None or not trainer.is_global_zero or not trainer.loggers or not every:
+            return
+        if trainer.global_step % every and not trainer.should_stop:
+            return
+        metrics = state.metrics()
+        if metrics:
+            # rank_zero_only: the other ranks do not log, so Lightning must not wait for them.
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -225,6 +225,17 @@ class FlexState:
         self.records.clear()
         return drained
 
+    def metrics(self) -> dict[str, float]:
+        """This rank's metrics of the newest step and the last decisions (keys: :mod:`flexcomm.telemetry`).
+
+        Reads the records without draining them, so :meth:`drain_records` still returns every
+        record; records already drained are gone, so an app that drains each step passes the
+        step's records to :func:`flexcomm.telemetry.metrics`.  Call it between steps; no collective.
+        """
+        from flexcomm import telemetry
+
+        return telemetry.metrics(self)
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:

@@ -65,7 +65,8 @@ def _collective_op(kind: str, nbytes: int, buf: torch.Tensor, out: torch.Tensor,
         return lambda: dist.all_reduce(payload)
     if kind == "allgather":
         gathered = out[: numel * world]
-        return lambda: dist.all_gather_into_tensor(gathered, payload)
+        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather_into(gathered, payload)
     return lambda: dist.broadcast(payload, src=0)
 
 

@@ -138,7 +138,8 @@ def _capture_what_is_sent() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Copies of what this process hands to allreduce/allgather (before they run) and of the broadcast indices (after)."""
     messages: list[torch.Tensor] = []
     indices: list[torch.Tensor] = []
-    reduce, gather, broadcast = dist.all_reduce, dist.all_gather_into_tensor, dist.broadcast
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    reduce, gather, broadcast = dist.all_reduce, getattr(dist, gather_name), dist.broadcast
 
     def all_reduce(tensor, *args, **kwargs):
         messages.append(tensor.detach().clone())
@@ -153,12 +154,14 @@ def _capture_what_is_sent() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         indices.append(tensor.detach().clone())
         return work
 
-    dist.all_reduce, dist.all_gather_into_tensor, dist.broadcast = all_reduce, all_gather_into_tensor, broadcast_indices
+    dist.all_reduce, dist.broadcast = all_reduce, broadcast_indices
+    setattr(dist, gather_name, all_gather_into_tensor)
     return messages, indices
 
 
 def _sent_and_residuals(rank: int, world: int, compressor: str, steps: int) -> list[str]:
-    """Per bucket and step: what this rank sent plus its new residual equals its a_i, bit for bit."""
+    """Per bucket and step: what this rank sent (times N: ranks send ``a_i[I] / N``) plus its new residual
+    equals its a_i, bit for bit (N = 2: the division is exact)."""
     messages, broadcast_indices = _capture_what_is_sent()
     model, state = one_bucket_per_parameter(random.Random(rank), compressor)
     names = {f"weights.{j}": j for j in range(BUCKETS)}
@@ -180,7 +183,7 @@ def _sent_and_residuals(rank: int, world: int, compressor: str, steps: int) -> l
                 values, indices = unpack_all(messages[position], 1, k, torch.float32)
             else:
                 values, indices = messages[position][:k], broadcast_indices[position]
-            sent = torch.zeros(NUMEL).index_put_((indices.long(),), values)
+            sent = torch.zeros(NUMEL).index_put_((indices.long(),), values * world)
             if not torch.equal(sent + after[name], a):
                 failures.append(f"step {step} {name}: sent + new residual != a_i")
             if int((sent != 0).sum()) > k:

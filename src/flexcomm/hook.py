@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from flexcomm.comm import own_group
+from flexcomm.comm import exchange_context, future_devices, own_group
 from flexcomm.exchange import EXCHANGES
 from flexcomm.state import FlexState, HandedBucket
 
@@ -87,7 +87,9 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
     Returns at once a future holding the bucket's averaged (sparse or dense) update: the
     bucket's work and collectives run on the state's dispatcher thread, in bucket order
-    (see :mod:`flexcomm.comm.dispatch`), so backward never waits for the network.
+    (see :mod:`flexcomm.comm.dispatch`), so backward never waits for the network.  On a
+    GPU that work runs on the hook's exchange stream once the bucket is written, and the
+    future carries the bucket's device (see :mod:`flexcomm.comm.streams`).
     """
     grad = bucket.buffer()
     if not grad.is_floating_point():
@@ -96,16 +98,17 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state.advance(bucket.is_last())
         return _completed(grad)
     handed = state.hand_over(bucket)
-    return state.dispatcher.submit(partial(_exchange, state, handed))
+    return state.dispatcher.submit(partial(_exchange, state, handed), devices=future_devices(grad))
 
 
 def _exchange(state: FlexState, handed: HandedBucket) -> torch.futures.Future[torch.Tensor]:
     """On the dispatcher thread, in bucket order: the step protocol, then the bucket's exchange."""
-    job = state.prepare(handed)
-    return EXCHANGES[job.record.exchange](job)
+    with exchange_context(handed.grad.device, handed.ready, state.streams):
+        job = state.prepare(handed)
+        return EXCHANGES[job.record.exchange](job)
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=future_devices(tensor))
     fut.set_result(tensor)
     return fut

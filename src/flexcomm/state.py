@@ -37,14 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import Dispatcher, agree_on_config
-from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, k_for, make_selector
+from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, mark_ready
+from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.stats import to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
 from flexcomm.cost import Observation
 from flexcomm.exchange import BucketJob, LeaderPolicy, make_leader_policy
-from flexcomm.exchange.job import BucketRecord, DeviceOutcome
+from flexcomm.exchange.job import BucketRecord, DeviceOutcome, apply_timings
 from flexcomm.exchange.leaders import STATISTICS
 from flexcomm.version import __version__
 
@@ -74,13 +74,15 @@ VAR_STATISTICS = STATISTICS
 
 @dataclass(frozen=True)
 class HandedBucket:
-    """A bucket as DDP handed it over: its buffer, index, layout, step, and whether it opens the step."""
+    """A bucket as DDP handed it over: its buffer, index, layout, step, whether it opens the step,
+    and (CUDA) the event after which its buffer is written."""
 
     grad: torch.Tensor
     index: int
     layout: Layout
     step: int
     opens_step: bool
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class FlexState:
         self.memory = ResidualMemory()
         self.records: deque[BucketRecord] = deque(maxlen=max_records)
         self.dispatcher = Dispatcher()
+        self.streams = ExchangeStreams()
         self._workspaces: dict[int, TopkWorkspace] = {}
         self._in_step = False
         self._config_checked = False
@@ -301,8 +304,9 @@ class FlexState:
             self._in_step = False
 
     def hand_over(self, bucket: dist.GradBucket) -> HandedBucket:
-        """Note a bucket DDP handed over (autograd thread): no collective, no tensor work."""
-        handed = HandedBucket(bucket.buffer(), bucket.index(), self._layout(bucket), self.step, not self._in_step)
+        """Note a bucket DDP handed over (autograd thread): no collective, no tensor work (on a GPU, one event)."""
+        grad = bucket.buffer()
+        handed = HandedBucket(grad, bucket.index(), self._layout(bucket), self.step, not self._in_step, mark_ready(grad))
         self._in_step = True
         self.advance(bucket.is_last())
         return handed
@@ -319,6 +323,8 @@ class FlexState:
         numel = grad.numel()
         plan = self.planner.plan(index, numel, grad.element_size(), step)
         dense = plan.exchange == "dense"
+        if not dense:
+            check_index_range(numel)
         memory = self.memory
         accumulated = memory.compensate(index, handed.layout, grad) if dense else memory.accumulate(index, handed.layout, grad)
         workspace = self._workspaces.setdefault(index, TopkWorkspace())
@@ -341,13 +347,17 @@ class FlexState:
     def settle(self) -> None:
         """Read the finished buckets' device-side outcomes in one transfer and apply them.
 
-        Fills the records' ``gain`` and ``finite``, feeds the leader policy the statistics
+        Fills the records' ``gain`` and ``finite`` (and, on a GPU, their times from CUDA
+        events, reporting the network samples), feeds the leader policy the statistics
         of finite exchanges, and lets the memory adopt (or drop) the new residuals.  Runs
         at each step's first bucket and when records or the checkpoint state are read;
         only buckets whose exchange finished may be pending.
         """
         with self._settle_lock:
             unsettled, self._unsettled = self._unsettled, []
+            for rec, out in unsettled:
+                if out.timings is not None:
+                    apply_timings(rec, out.timings, self._measured)
             conditions = self.memory.pending()
             tensors: list[torch.Tensor] = list(conditions.values())
             fields = [(rec, name, value) for rec, out in unsettled

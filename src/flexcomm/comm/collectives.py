@@ -10,7 +10,12 @@ starve the pool.
 
 Control tensors (probes, agreements) live on :func:`control_device`: the current CUDA
 device when the group's backend is NCCL (which rejects CPU tensors), the CPU otherwise
-(gloo, or a group with a CPU backend beside NCCL).
+(gloo, or a group with a CPU backend beside NCCL).  On the dispatcher thread the current
+device is the bucket's: :func:`flexcomm.comm.streams.exchange_context` sets it.
+
+A result read in a ``then`` callback is marked as used on the callback's stream (see
+:func:`~flexcomm.comm.streams.used_on_current_stream`): it was allocated on the
+exchange stream, and the callback's kernels run on another.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from flexcomm.comm.streams import used_on_current_stream
+
 
 
 def control_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -37,7 +45,10 @@ def allreduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torc
 def allgather(message: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     """Concatenate every rank's equally sized flat ``message``; the value is the concatenation."""
     gathered = message.new_empty(message.numel() * dist.get_world_size(group))
-    work = dist.all_gather_into_tensor(gathered, message, group=group, async_op=True)
+    # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same
+    # collective); torch 2.4 has only the former.
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather_into(gathered, message, group=group, async_op=True)
     return work.get_future().then(_resolving_to(gathered))
 
 
@@ -57,6 +68,7 @@ def _resolving_to(result: torch.Tensor) -> Callable[[torch.futures.Future], torc
 
     def resolve(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
+        used_on_current_stream(result)
         return result
 
     return resolve

@@ -51,9 +51,13 @@ class Dispatcher:
         self._running = False
         self.failure: BaseException | None = None
 
-    def submit(self, task: Task) -> torch.futures.Future:
-        """Queue ``task``; the returned future completes with the value of the future ``task`` returns."""
-        result: torch.futures.Future = torch.futures.Future()
+    def submit(self, task: Task, devices: list[torch.device] | None = None) -> torch.futures.Future:
+        """Queue ``task``; the returned future completes with the value of the future ``task`` returns.
+
+        ``devices``: the CUDA devices of that value, so that a waiter (DDP) synchronises
+        its stream with the events recorded when the value is set (none for CPU values).
+        """
+        result: torch.futures.Future = torch.futures.Future(devices=devices or [])
         with self._lock:
             self._tasks.append((task, result))
             if not self._running:

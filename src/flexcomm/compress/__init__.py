@@ -3,7 +3,7 @@
 from flexcomm.compress.memory import Layout, ResidualMemory
 from flexcomm.compress.mstopk import mstopk_indices
 from flexcomm.compress.selectors import SELECTORS, Selector, make_selector
-from flexcomm.compress.sparse import pack, unpack_all
+from flexcomm.compress.sparse import check_index_range, pack, unpack_all
 from flexcomm.compress.topk import TopkWorkspace, k_for, topk_indices
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ResidualMemory",
     "Selector",
     "TopkWorkspace",
+    "check_index_range",
     "k_for",
     "make_selector",
     "mstopk_indices",

@@ -26,6 +26,11 @@ and the spare becomes the residual -- unless the exchange turned out non-finite,
 case the old residual stays.  That condition is a device tensor: the swap waits until
 :meth:`ResidualMemory.settle` reads every pending condition in one transfer, once per
 step, so no exchange stalls on a host read.
+
+Residuals of half-precision gradients (fp16, bf16) are kept in fp32: a residual holds
+many steps' worth of small values, which a 16-bit mantissa would round away (what was
+not sent would be lost after all).  For such buckets ``a = g + e`` is fp32 too; the
+exchanges send its selected values in the gradient's dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ import torch
 log = logging.getLogger(__name__)
 
 Layout = tuple[tuple[str, int], ...]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
+    """The dtype residuals (and ``a = g + e``) of a ``grad_dtype`` bucket are kept in: fp32 for fp16/bf16."""
+    return torch.float32 if grad_dtype in _HALF else grad_dtype
 
 
 class ResidualMemory:
@@ -71,9 +83,10 @@ class ResidualMemory:
         Follow with :meth:`commit` once the sent indices are known.
         """
         residual = self._current(bucket_index, layout, grad)
+        dtype = residual_dtype(grad.dtype)
         spare = self._spares.get(bucket_index)
-        if spare is None or spare.shape != grad.shape or spare.dtype != grad.dtype or spare.device != grad.device:
-            spare = self._spares[bucket_index] = torch.empty_like(grad)
+        if spare is None or spare.shape != grad.shape or spare.dtype != dtype or spare.device != grad.device:
+            spare = self._spares[bucket_index] = torch.empty_like(grad, dtype=dtype)
         return spare.copy_(grad) if residual is None else torch.add(grad, residual, out=spare)
 
     def commit(self, bucket_index: int, layout: Layout, sent: torch.Tensor, adopt_if: torch.Tensor) -> None:
@@ -131,9 +144,10 @@ class ResidualMemory:
             residual = None
         if residual is None and self._pieces:
             residual = self._assemble(bucket_index, layout, grad)
-        if residual is not None and (residual.device != grad.device or residual.dtype != grad.dtype):
+        dtype = residual_dtype(grad.dtype)
+        if residual is not None and (residual.device != grad.device or residual.dtype != dtype):
             # Restored from a (CPU) checkpoint onto an accelerator: move it once.
-            residual = self._residuals[bucket_index] = residual.to(grad.device, grad.dtype)
+            residual = self._residuals[bucket_index] = residual.to(grad.device, dtype)
         return residual
 
     def update(self, bucket_index: int, layout: Layout, accumulated: torch.Tensor, sent: torch.Tensor) -> None:
@@ -178,8 +192,9 @@ class ResidualMemory:
         if not any(key in self._pieces for key, _ in layout):
             return None
         parts = [self._pieces.pop(key, None) for key, _ in layout]
+        dtype = residual_dtype(grad.dtype)
         residual = torch.cat([
-            part.to(grad.device, grad.dtype) if part is not None else grad.new_zeros(numel)
+            part.to(grad.device, dtype) if part is not None else grad.new_zeros(numel, dtype=dtype)
             for part, (_, numel) in zip(parts, layout)
         ])
         self._residuals[bucket_index] = residual

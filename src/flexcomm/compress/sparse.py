@@ -10,6 +10,21 @@ import torch
 
 INDEX_DTYPE = torch.int32
 INDEX_BYTES = 4
+#: The largest bucket a sparse exchange can address with int32 indices.
+MAX_SPARSE_NUMEL = torch.iinfo(INDEX_DTYPE).max + 1
+
+
+def check_index_range(numel: int) -> None:
+    """Raise unless int32 indices can address every element of a ``numel``-element bucket.
+
+    Past 2^31 elements a cast to int32 wraps around silently: values would land on the
+    wrong parameters.
+    """
+    if numel > MAX_SPARSE_NUMEL:
+        raise ValueError(
+            f"a DDP bucket of {numel} elements is too large for flexcomm's int32 sparse indices (at most "
+            f"{MAX_SPARSE_NUMEL}); lower DDP's bucket_cap_mb so that no bucket exceeds that"
+        )
 
 
 def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

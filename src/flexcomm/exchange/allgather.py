@@ -12,43 +12,46 @@ everything else touches k or N*k elements.
 
 from __future__ import annotations
 
-from time import perf_counter
-
 import torch
 
-from flexcomm.comm import allgather
+from flexcomm.comm import allgather, clock, used_on_current_stream
 from flexcomm.compress import pack, unpack_all
 from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_after_selection
-from flexcomm.exchange.job import BucketJob
+from flexcomm.exchange.job import BucketJob, Timings, report_timings
 
 
 def exchange_allgather(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
-    rec = job.record
-    started = perf_counter()
+    rec, device = job.record, job.grad.device
+    started = clock.now(device)
     message, indices = contribution(job)
     rec.bytes_sent = message.numel()
-    rec.t_compress = perf_counter() - started
-    launched = perf_counter()
+    launched = clock.now(device)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
-        done = perf_counter()
-        rec.t_exchange = done - launched
+        done = clock.now(device)
+        used_on_current_stream(indices)
         update = apply_update(job, indices, fut.value())
-        rec.t_compress += perf_counter() - done
-        job.measured(rec, "allgather", rec.bytes_sent, rec.t_exchange)
+        finished = clock.now(device)
+        spans = (started, launched), (done, finished)
+        report_timings(job, Timings("allgather", rec.bytes_sent, exchange=(launched, done), network=(launched, done), compress=spans))
         return update
 
     return allgather(message, job.group).then(finish)
 
 
 def contribution(job: BucketJob) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local work before the allgather: select, gather the values (NaN if ``a_i`` is not finite), pack."""
+    """Local work before the allgather: select, gather the values (NaN if ``a_i`` is not finite), divide by N, pack.
+
+    The values travel in the gradient's dtype (``a_i`` is fp32 for half-precision
+    gradients, see :mod:`flexcomm.compress.memory`), divided by N first as DDP does.
+    """
     a, k = job.accumulated, job.k
     assert job.selector is not None
     indices = job.selector(a, k, job.workspace)
     norm, finite = norm_after_selection(a, job.workspace)
     values = contributed_values(a, indices, finite)
     job.outcome.gain = gain(values, norm)
+    values = values.div_(job.world_size).to(job.grad.dtype)
     # MSTopk may find fewer than k; pad the message with zero values at index 0 so that
     # every rank's message has the same size (adding zeros changes nothing).
     padding = k - indices.numel()
@@ -56,9 +59,17 @@ def contribution(job: BucketJob) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_update(job: BucketJob, indices: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-    """Local work after the allgather: commit the residual, scatter-add every rank's values over N into the bucket."""
-    all_values, all_indices = unpack_all(gathered, job.world_size, job.k, job.accumulated.dtype)
+    """Local work after the allgather: commit the residual, add every rank's values into the zeroed bucket.
+
+    One ``index_add_`` per source rank, in rank order: within a rank the indices are
+    distinct (MSTopk's padding adds exact zeros), so no two atomic adds on a GPU meet at
+    one element with different values and every replica sums in the same order (one call
+    over all ranks' indices is non-deterministic on CUDA: replicas would drift bitwise).
+    """
+    all_values, all_indices = unpack_all(gathered, job.world_size, job.k, job.grad.dtype)
     job.outcome.finite = finite_update = all_finite(all_values)
     job.memory.commit(job.index, job.layout, indices, finite_update)
     update = job.grad.zero_()
-    return update.index_add_(0, all_indices, all_values.div_(job.world_size))
+    for source_values, source_indices in zip(all_values.view(job.world_size, -1), all_indices.view(job.world_size, -1)):
+        update.index_add_(0, source_indices, source_values)
+    return update

@@ -19,40 +19,38 @@ a follower reads ``a`` once more for it), zeroing the output
 
 from __future__ import annotations
 
-from time import perf_counter
-
 import torch
 
-from flexcomm.comm import allreduce_sum, broadcast_from
+from flexcomm.comm import allreduce_sum, broadcast_from, clock, used_on_current_stream
+from flexcomm.compress.sparse import INDEX_DTYPE
 from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_after_selection, norm_and_finiteness
-from flexcomm.exchange.job import BucketJob
+from flexcomm.exchange.job import BucketJob, Timings, report_timings
 
 
 def exchange_artopk(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
-    rec = job.record
+    rec, device = job.record, job.grad.device
     assert job.leaders is not None
     leader = rec.leader = job.leaders.take(job.index, job.step, job.world_size)
-    started = perf_counter()
+    started = clock.now(device)
     indices, norm, finite = select_if_leader(job, leader)
-    t_compress = perf_counter() - started
-
-    launched = perf_counter()
+    launched = clock.now(device)
     broadcast_from(indices, leader, job.group)
-    broadcasted = perf_counter()
+    broadcasted = clock.now(device)
     values = contribution(job, indices, norm, finite)
     rec.bytes_sent = indices.numel() * indices.element_size() + values.numel() * values.element_size()
-    rec.t_compress = t_compress + perf_counter() - broadcasted
-    reducing = perf_counter()
+    reducing = clock.now(device)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()
-        done = perf_counter()
-        rec.t_exchange = done - launched
+        done = clock.now(device)
+        used_on_current_stream(indices)
         update = apply_update(job, indices, reduced)
-        rec.t_compress += perf_counter() - done
+        finished = clock.now(device)
         # Only the allreduce, timed from its own launch, is a clean network sample: a
         # non-leader's broadcast time includes its wait for the leader's top-k.
-        job.measured(rec, "allreduce", values.numel() * values.element_size(), done - reducing)
+        network = values.numel() * values.element_size()
+        spans = (started, launched), (broadcasted, reducing), (done, finished)
+        report_timings(job, Timings("allreduce", network, exchange=(launched, done), network=(reducing, done), compress=spans))
         return update
 
     return allreduce_sum(values, job.group).then(finish)
@@ -65,14 +63,18 @@ def select_if_leader(job: BucketJob, leader: int) -> tuple[torch.Tensor, torch.T
         assert job.selector is not None
         indices = job.selector(a, job.k, job.workspace)
         return indices, *norm_after_selection(a, job.workspace)
-    return torch.empty(job.k, dtype=torch.int32, device=a.device), *norm_and_finiteness(a)
+    return torch.empty(job.k, dtype=INDEX_DTYPE, device=a.device), *norm_and_finiteness(a)
 
 
 def contribution(job: BucketJob, indices: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """What this rank allreduces: ``a_i[I]`` (NaN if ``a_i`` is not finite), then the statistic slots if any."""
+    """What this rank allreduces: ``a_i[I] / N`` in the gradient's dtype (NaN if ``a_i`` is not finite), then the statistic slots if any.
+
+    Dividing before the sum, as DDP does, keeps an fp16 sum from overflowing.
+    """
     a, policy = job.accumulated, job.leaders
     values = contributed_values(a, indices, finite)
     job.outcome.gain = gain(values, norm)
+    values = values.div_(job.world_size).to(job.grad.dtype)
     if policy is None or not policy.rides_statistic:
         return values
     slots = values.new_zeros(job.world_size)
@@ -89,4 +91,4 @@ def apply_update(job: BucketJob, indices: torch.Tensor, reduced: torch.Tensor) -
         job.outcome.statistics = reduced[k:]
     job.memory.commit(job.index, job.layout, indices, finite_update)
     update = job.grad.zero_()
-    return update.index_copy_(0, indices.long(), reduced[:k].div_(job.world_size))
+    return update.index_copy_(0, indices.long(), reduced[:k])

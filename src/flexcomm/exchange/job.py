@@ -10,8 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexcomm.comm.clock import Mark, readable_now, seconds
 from flexcomm.compress import Layout, ResidualMemory, Selector, TopkWorkspace
 from flexcomm.exchange.leaders import LeaderPolicy
+
 
 @dataclass
 class BucketRecord:
@@ -48,17 +50,51 @@ class BucketRecord:
 Measured = Callable[[BucketRecord, str, int, float], None]
 
 
+@dataclass(frozen=True)
+class Timings:
+    """An exchange's time marks (:mod:`flexcomm.comm.clock`): host clocks, or CUDA events read at settle.
+
+    ``exchange``: the first collective's launch to the last one's completion;
+    ``network``: the span of the one collective that is a clean network sample of
+    ``kind`` (``"allreduce"`` or ``"allgather"``) over ``nbytes`` payload bytes;
+    ``compress``: the spans of local work (selection, packing, residual, write-back).
+    """
+
+    kind: str
+    nbytes: int
+    exchange: tuple[Mark, Mark]
+    network: tuple[Mark, Mark]
+    compress: tuple[tuple[Mark, Mark], ...] = ()
+
+
 @dataclass
 class DeviceOutcome:
     """What an exchange learned, as 0-d device tensors until the state settles the step.
 
     ``gain``: ``||sent part of a_i|| / ||a_i||``; ``finite``: whether the exchanged update
-    is finite; ``statistics``: every rank's leader statistic (VAR-Topk), kept only if finite.
+    is finite; ``statistics``: every rank's leader statistic (VAR-Topk), kept only if finite;
+    ``timings``: the exchange's CUDA-event marks (host marks are reported at once).
     """
 
     gain: torch.Tensor | None = None
     finite: torch.Tensor | None = None
     statistics: torch.Tensor | None = None
+    timings: Timings | None = None
+
+
+def report_timings(job: BucketJob, timings: Timings) -> None:
+    """Fill the record's times and report the network sample: now for host marks, at settle for CUDA events."""
+    if readable_now(timings.exchange[0]):
+        apply_timings(job.record, timings, job.measured)
+    else:
+        job.outcome.timings = timings
+
+
+def apply_timings(record: BucketRecord, timings: Timings, measured: Measured) -> None:
+    """Set ``t_exchange`` and ``t_compress`` of ``record`` from ``timings``; hand the network sample to ``measured``."""
+    record.t_exchange = seconds(*timings.exchange)
+    record.t_compress = sum(seconds(*span) for span in timings.compress)
+    measured(record, timings.kind, timings.nbytes, seconds(*timings.network))
 
 
 @dataclass

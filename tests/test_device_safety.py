@@ -19,6 +19,7 @@ import flexcomm
 from flexcomm.comm import ExchangeStreams, clock, exchange_context
 from flexcomm.compress import check_index_range
 from flexcomm.compress.sparse import MAX_SPARSE_NUMEL
+from flexcomm.rank_states import has_cpu_backend
 from multiproc import run_world
 
 SYNCING = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
@@ -201,3 +202,9 @@ def test_host_marks_give_spans_at_once() -> None:
     end = clock.now(torch.device("cpu"))
     assert clock.readable_now(start)
     assert clock.seconds(start, end) == end - start >= 0.0
+
+
+def test_checkpoint_gathers_stay_off_nccl() -> None:
+    # gather_object over NCCL stages every rank's residuals on rank 0's GPU.
+    assert has_cpu_backend("gloo") and has_cpu_backend("cpu:gloo,cuda:nccl")
+    assert not has_cpu_backend("nccl")

@@ -29,7 +29,7 @@ dist.all_reduce(t)
 print(json.dumps({k: os.environ.get(k) for k in
       ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT",
-       "EXTRA")} | {"sum": t.item()}), flush=True)
+       "EXTRA", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")} | {"sum": t.item()}), flush=True)
 dist.destroy_process_group()
 """
 
@@ -107,6 +107,8 @@ def test_emulated_ranks_rendezvous_at_host0_over_the_shaped_link() -> None:
         assert (rep["RANK"], rep["WORLD_SIZE"], rep["LOCAL_RANK"]) == (str(rank), "2", "0")
         assert (rep["LOCAL_WORLD_SIZE"], rep["GROUP_RANK"]) == ("1", str(rank))
         assert rep["GLOO_SOCKET_IFNAME"] == rep["NCCL_SOCKET_IFNAME"] == ifnames[rank]
+        # NCCL's P2P/SHM/IB transports would bypass the shaped link between namespaces.
+        assert rep["NCCL_P2P_DISABLE"] == rep["NCCL_SHM_DISABLE"] == rep["NCCL_IB_DISABLE"] == "1"
 
 
 # Attempt 0: one allreduce, then rank 1 dies while rank 0 waits in the next one.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import flexcomm
 from flexcomm.train import cli
@@ -62,6 +63,8 @@ def out(tmp_path: Path) -> list[str]:
         (["--dataset", "npz"], "--dataset npz needs --data-dir"),
         (["--resume"], "--resume needs --out DIR"),
         (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
+        pytest.param(["--device", "cuda"], "--device cuda, but torch sees no CUDA device",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     ],
 )
 def test_bad_option_is_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

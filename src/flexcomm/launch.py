@@ -11,6 +11,8 @@ Used by ``flexcomm-train``, ``flexcomm-netem`` and the benchmarks. Every rank ru
 * an :class:`~flexcomm.netem.EmulatedCluster`: rank ``i`` in host ``i`` (its own namespace
   and shaped link; the cluster sets both interface variables), ``LOCAL_RANK`` 0,
   rendezvous at host 0's address on :data:`EMULATED_PORT` (a fresh namespace: it is free).
+  All hosts share this machine and its GPUs: :data:`MACHINE_RANK_ENV` and
+  :data:`MACHINE_RANKS_ENV` say where a rank stands on it, to pick a GPU by.
 
 When a rank exits non-zero the launcher stops the others (SIGTERM, then SIGKILL) and
 raises :class:`RankFailed` naming the rank and its exit code or signal (with its stderr
@@ -86,6 +88,11 @@ def describe_exit(code: int | None) -> str:
     if code < 0:
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+#: A rank's index among the ranks on its physical machine, and their number (emulated clusters only).
+MACHINE_RANK_ENV = "FLEXCOMM_MACHINE_RANK"
+MACHINE_RANKS_ENV = "FLEXCOMM_MACHINE_RANKS"
 
 
 def free_port() -> int:
@@ -212,7 +219,8 @@ def start_ranks(
             if cluster is None:
                 proc = subprocess.Popen(list(argv), env={**os.environ, **base, **rank_vars}, **popen_args)
             else:
-                proc = cluster.popen(rank, argv, env={**base, **rank_vars}, **popen_args)
+                machine = {MACHINE_RANK_ENV: str(rank), MACHINE_RANKS_ENV: str(world_size)}
+                proc = cluster.popen(rank, argv, env={**base, **rank_vars, **machine}, **popen_args)
             ranks.append(_with_readers(rank, proc, output, on_line))
     except BaseException:
         stop_ranks(ranks)

@@ -5,6 +5,9 @@ otherwise save only rank 0's :class:`~flexcomm.FlexState`, and a resumed job wou
 every rank rank 0's error-feedback residuals.  The residuals differ per rank (each rank
 keeps what its own gradient did not send), so the integrations gather all ranks'
 ``state_dict()`` into the file and, on loading, hand rank ``r`` entry ``r``.
+
+The gather runs over a CPU (gloo) group: over NCCL, ``gather_object`` would stage every
+rank's pickled residuals in rank 0's GPU memory at once.
 """
 
 from __future__ import annotations
@@ -27,8 +30,30 @@ def gather_rank_states(state: FlexState, dst: int = 0) -> list[dict[str, Any]] |
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] | None = [None] * world_size if rank == dst else None
-    dist.gather_object(state.state_dict(), gathered, dst=dst)
+    dist.gather_object(state.state_dict(), gathered, dst=dst, group=_cpu_group())
     return gathered
+
+
+# The gloo group made for a default group without a CPU backend, per default group.
+_CPU_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _cpu_group() -> dist.ProcessGroup | None:
+    """A group of every rank that carries CPU tensors: the default group if it can, else one made once.
+
+    Made by every rank at its first checkpoint, the same point on all of them.
+    """
+    if has_cpu_backend(dist.get_backend()):
+        return None
+    world = dist.group.WORLD
+    if id(world) not in _CPU_GROUPS:
+        _CPU_GROUPS[id(world)] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[id(world)]
+
+
+def has_cpu_backend(backend: str) -> bool:
+    """Whether a group of ``backend`` (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...) takes CPU tensors."""
+    return backend == "gloo" or "cpu:" in backend
 
 
 def load_own_rank_state(state: FlexState, rank_states: list[dict[str, Any]]) -> None:

@@ -35,6 +35,8 @@ log = logging.getLogger("flexcomm.netem")
 
 #: Values of EmulatedCluster(delay_backend=...).
 DELAY_BACKENDS = ("auto", "netem", "switch")
+#: Set for every emulated host: NCCL then talks over sockets, through the shaped link.
+NCCL_SOCKETS_ONLY = ("NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1")
 #: Smallest tbf burst with the delay switch: a whole 64 KiB GSO packet (plus the per-segment
 #: headers tbf counts) must fit, or tbf cuts it into ~45 MTU-sized frames that the switch
 #: forwards one by one (at 100 Mbit/s: ~20k frames/s, ~35% of a core, instead of ~200, ~3%).
@@ -336,13 +338,17 @@ class EmulatedCluster:
 
     # -- processes -----------------------------------------------------------
     def exec_prefix(self, i: int) -> list[str]:
-        """argv prefix that runs a command inside host ``i`` with gloo and NCCL bound to its interface."""
+        """argv prefix that runs a command inside host ``i`` with gloo and NCCL bound to its interface.
+
+        NCCL would otherwise bypass the emulated link between ranks on one machine: its
+        peer-to-peer, shared-memory and InfiniBand transports ignore network namespaces.
+        """
         self._check_host(i)
         ip = self._net.ip or tool_path("ip")
         env = self._env or absolute_program("env")
         ifname = self._net.host_if[i]
         return [ip, "netns", "exec", self._net.host_netns[i], env, f"GLOO_SOCKET_IFNAME={ifname}",
-                f"NCCL_SOCKET_IFNAME={ifname}"]  # fmt: skip
+                f"NCCL_SOCKET_IFNAME={ifname}", *NCCL_SOCKETS_ONLY]  # fmt: skip
 
     def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen[Any]:
         """Launch ``argv`` inside host ``i``; the process is terminated on close.

@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"bandwidth schedule of an emulated network, e.g. 1gbit:30s,50mbit:30s,300mbit; "
                           f"'none' = plain loopback; 'auto' = {AUTO_SCHEDULE} where emulation works, else loopback "
                           "(default: %(default)s)")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default=_DEFAULTS.device,
+                     help="where ranks compute: 'cuda' puts each rank on its own GPU of its machine (NCCL; gloo "
+                          "with CUDA tensors when ranks outnumber GPUs); 'auto' = cuda where available "
+                          "(default: %(default)s)")
     run.add_argument("--threads", type=_int_at_least(1), metavar="N",
                      help="torch threads per rank (default: CPU cores / --nproc, at least 1)")
     run.add_argument("--timeout", type=_float_in(0.0, math.inf), default=_DEFAULTS.timeout, metavar="SECONDS",
@@ -239,6 +243,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise _OptionError("--data-dir does not apply to --dataset synthetic")
     if args.dataset == "npz" and args.data_dir is None:
         raise _OptionError("--dataset npz needs --data-dir (a directory with train.npz and test.npz)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise _OptionError("--device cuda, but torch sees no CUDA device on this machine (use --device cpu)")
     if args.resume and args.out is None:
         raise _OptionError("--resume needs --out DIR, the run directory to continue")
 
@@ -297,6 +303,7 @@ def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
         resume=args.resume,
         timeout=args.timeout,
         threads=args.threads or max(1, (os.cpu_count() or 1) // args.nproc),
+        device=args.device,
         report=not args.no_report,
     )
 

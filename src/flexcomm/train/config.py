@@ -65,6 +65,7 @@ class TrainConfig:
     resume: bool = False
     timeout: float = 300.0
     threads: int = 1
+    device: str = "auto"  # "auto": CUDA where available, else CPU
     report: bool = True
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 The rank learns who it is from the environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as under ``torchrun``, and joins the
 job with :func:`flexcomm.init_process_group` (``env://``, safe across torchrun's
-restarts): gloo on CPU, NCCL when CUDA is available.  Nothing assumes the ranks share a
+restarts): gloo on CPU, NCCL on a GPU of its own (see :mod:`flexcomm.train.devices`,
+``--device``).  Nothing assumes the ranks share a
 machine except the run directory, which every rank reads its config from and writes its
 checkpoint to.  ``kill -USR1`` prints a rank's Python stacks to its stderr.
 
@@ -38,6 +39,7 @@ from flexcomm.rendezvous import init_process_group
 from flexcomm.train import checkpoint
 from flexcomm.train.baselines import bucket_cap_mb
 from flexcomm.train.config import TrainConfig
+from flexcomm.train.devices import choose_device
 from flexcomm.train.timed_hook import StepComm, TimedHook
 from flexcomm.train.rank_data import (
     Arrays,
@@ -60,25 +62,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Identity:
-    """Who this process is in the job, and where it computes."""
+    """Who this process is in the job, where it computes, and its group's backend."""
 
     rank: int
     world_size: int
     device: torch.device
+    backend: str
 
     @classmethod
-    def from_env(cls) -> Identity:
+    def from_env(cls, requested_device: str = "auto") -> Identity:
         try:
-            rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+            rank, world = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE"))
         except KeyError as exc:
             raise SystemExit(f"flexcomm.train.worker needs {exc.args[0]} in its environment; use flexcomm-train")
-        if torch.cuda.is_available():
-            return cls(rank, world, torch.device("cuda", local % torch.cuda.device_count()))
-        return cls(rank, world, torch.device("cpu"))
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device, backend = choose_device(requested_device, os.environ, gpus)
+        return cls(rank, world, device, backend)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     # a stuck rank waits, without a debugger (the chaos benchmark records fault points so).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = TrainConfig.load(config_path)
-    me = Identity.from_env()
+    me = Identity.from_env(cfg.device)
     try:
         run_rank(cfg, config_path.parent, me)
     except Exception as exc:
@@ -101,7 +100,11 @@ def main(argv: list[str] | None = None) -> None:
 def run_rank(cfg: TrainConfig, run_dir: Path, me: Identity) -> None:
     """Join the process group, train, leave."""
     torch.set_num_threads(cfg.threads)
-    init_process_group(me.backend, timeout=timedelta(seconds=cfg.timeout))
+    if me.device.type == "cuda":
+        # Before the group exists: NCCL and every later allocation then use this rank's GPU.
+        torch.cuda.set_device(me.device)
+    device_id = {"device_id": me.device} if me.backend == "nccl" else {}
+    init_process_group(me.backend, timeout=timedelta(seconds=cfg.timeout), **device_id)
     try:
         Trainer(cfg, run_dir, me).run()
     except Exception as exc:

@@ -62,3 +62,12 @@ def test_write_csv_unions_the_columns_and_formats_floats_on_request(tmp_path: Pa
 def test_numbers_parses_comma_separated_options() -> None:
     assert common.numbers("1e6,8000000", int) == [1_000_000, 8_000_000]
     assert common.numbers("0.1,0.01") == [0.1, 0.01]
+
+
+def test_gpu_check_skips_cleanly_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import gpu_check  # noqa: PLC0415 - imports torch.multiprocessing; only this test needs it
+
+    if gpu_check.torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
+    assert gpu_check.main([]) == 0
+    assert "no CUDA device here; skipped" in capsys.readouterr().out

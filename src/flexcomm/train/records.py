@@ -87,11 +87,17 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(_parse(Path(run_dir) / RECORDS_FILE), key=lambda r: r["step"])
 
 
+#: ``final_accuracy_mean`` averages this many of the last evaluations: one evaluation swings.
+FINAL_EVALS = 3
+
+
 def summarize(records: list[dict[str, Any]], target_acc: float | None) -> dict[str, Any]:
     """Run-level numbers from the step records.
 
     ``time_to_target`` is training time (the sum of step times, so evaluation and
     start-up are excluded) up to the first evaluation at or above ``target_acc``.
+    ``final_accuracy`` is the last evaluation's, ``final_accuracy_mean`` the mean of the
+    last :data:`FINAL_EVALS`.
     """
     evals = [r for r in records if r.get("accuracy") is not None]
     step_times = [r["t_step"] for r in records]
@@ -111,6 +117,7 @@ def summarize(records: list[dict[str, Any]], target_acc: float | None) -> dict[s
         "total_bytes": sum(r["bytes"] for r in records),
         "mean_density": _mean(records, "density"),
         "final_accuracy": evals[-1]["accuracy"] if evals else None,
+        "final_accuracy_mean": statistics.fmean(r["accuracy"] for r in evals[-FINAL_EVALS:]) if evals else None,
         "final_test_loss": evals[-1]["test_loss"] if evals else None,
         "best_accuracy": max(r["accuracy"] for r in evals) if evals else None,
         "target_acc": target_acc,

@@ -33,11 +33,21 @@ one of them is picked by a rule:
                    ``asf`` it compares absolute times, so a 2 ms difference on a 100 ms step
                    counts as the 2% it is, not as the whole range of the front.
 
-Stability: the controller starts dense, may descend one candidate every ``ramp_steps``
-steps after ``warmup_steps``, re-decides only when the gain at the current density has
-moved by more than ``gain_change`` (relative), the predicted time of any candidate by
-more than ``cost_change``, or ``redecide_every`` steps have passed; and it switches
-only if the new choice beats the current density by ``hysteresis`` in the rule's own terms.
+Start (no dense warm-up by default): the controller holds density 1.0 only until its first
+decision, which comes at the first agreement point after one gain measurement (step 1 under
+the planner's schedule), so where the measured step says dense is slow the first sparse step
+is step 1 or 2.  ``warmup_steps`` (default 0) delays that first decision; ``ramp_steps``
+(default 0: off) then allows one candidate sparser every ``ramp_steps`` steps.  Dense was the
+expensive choice to start with on a slow link (8-20x a sparse step), and the ramp's creep
+down cost hundreds of steps at densities the measurements had already ruled out.
+
+Stability: it re-decides when the gain at the current density has moved by more than
+``gain_change`` (relative), the predicted time of any candidate by more than
+``cost_change``, or ``redecide_every`` steps have passed; it switches only if the new
+choice beats the current density by ``hysteresis`` in the rule's own terms, and not within
+``min_dwell`` steps of its last switch (each switch disturbs the residual), unless the link
+changed: some candidate's predicted time moved by more than ``link_change`` (relative) since
+the last decision, which is followed at once.
 """
 
 from __future__ import annotations
@@ -111,13 +121,16 @@ class DensityController:
         time_slack: ``near-fastest``'s allowance over the fastest candidate's time, >= 0.
         time_weight: ``asf``'s weight on time, in (0, 1); the gain's is ``1 - time_weight``.
         min_gain: ``min-time``'s gain floor, in [0, 1].
-        measure_every: steps between gain measurements (each costs one top-k per bucket
-            and one small allreduce).
-        warmup_steps: steps at density 1.0 before the controller may lower it.
-        ramp_steps: after warm-up, steps per candidate the floor descends by.
+        measure_every: least steps between gain measurements (each costs one top-k per
+            bucket and one small allreduce).
+        warmup_steps: steps at density 1.0 before the controller's first decision.
+        ramp_steps: after warm-up, steps per candidate the floor descends by (0: no ramp).
         redecide_every, gain_change, cost_change: when to re-decide (see the module docstring).
         hysteresis: margin a new choice must win by, in the rule's terms (``asf``: score;
             ``min-time``: relative time); a density that left the front is left at once.
+        min_dwell: least steps between two switches, unless the link changed.
+        link_change: relative move of some candidate's time since the last decision that
+            counts as a changed link (re-decide at once, dwell or not).
     """
 
     def __init__(
@@ -128,12 +141,14 @@ class DensityController:
         time_weight: float = 0.6,
         min_gain: float = 0.5,
         measure_every: int = 50,
-        warmup_steps: int = 100,
-        ramp_steps: int = 50,
+        warmup_steps: int = 0,
+        ramp_steps: int = 0,
         redecide_every: int = 500,
         gain_change: float = 0.10,
         cost_change: float = 0.25,
         hysteresis: float = 0.05,
+        min_dwell: int = 30,
+        link_change: float = 0.5,
     ) -> None:
         if not candidates or any(isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c <= 1.0 for c in candidates):
             raise ValueError(f"candidates must be densities in (0, 1], got {candidates!r}")
@@ -147,11 +162,12 @@ class DensityController:
             raise ValueError(f"time_weight must be in (0, 1), got {time_weight}")
         if not 0.0 <= min_gain <= 1.0:
             raise ValueError(f"min_gain must be in [0, 1], got {min_gain}")
-        for name, value in (("measure_every", measure_every), ("ramp_steps", ramp_steps), ("redecide_every", redecide_every)):
+        for name, value in (("measure_every", measure_every), ("redecide_every", redecide_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        for name, value in (("warmup_steps", warmup_steps), ("ramp_steps", ramp_steps), ("min_dwell", min_dwell)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.candidates = tuple(sorted((float(c) for c in candidates), reverse=True))
         self.rule = rule
         self.time_slack = float(time_slack)
@@ -164,10 +180,13 @@ class DensityController:
         self.gain_change = gain_change
         self.cost_change = cost_change
         self.hysteresis = hysteresis
+        self.min_dwell = min_dwell
+        self.link_change = link_change
         self.density = self.candidates[0]
         #: The newest ``DECISION_LOG`` decisions (a long run must not grow without bound).
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)
         self._last: dict[str, Any] | None = None
+        self._switched_at: int | None = None
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a decision: ranks whose settings differ would choose differently."""
@@ -175,16 +194,19 @@ class DensityController:
                 "time_weight": self.time_weight, "min_gain": self.min_gain, "measure_every": self.measure_every,
                 "warmup_steps": self.warmup_steps, "ramp_steps": self.ramp_steps,
                 "redecide_every": self.redecide_every, "gain_change": self.gain_change,
-                "cost_change": self.cost_change, "hysteresis": self.hysteresis}
+                "cost_change": self.cost_change, "hysteresis": self.hysteresis, "min_dwell": self.min_dwell,
+                "link_change": self.link_change}
 
-    def measure_at(self, step: int) -> bool:
-        """Whether the hook should measure the gain curve at this step."""
-        return step >= self.warmup_steps and (step - self.warmup_steps) % self.measure_every == 0
+    def measure_due(self, step: int, last: int | None) -> bool:
+        """Whether a decision at ``step`` wants a fresh gain curve (``last``: the step of the newest one)."""
+        return step >= self.warmup_steps and (last is None or step - last >= self.measure_every)
 
     def floor_density(self, step: int) -> float:
         """The smallest density the ramp allows at ``step``."""
         if step < self.warmup_steps:
             return self.candidates[0]
+        if not self.ramp_steps:
+            return self.candidates[-1]
         allowed = min(len(self.candidates) - 1, 1 + (step - self.warmup_steps) // self.ramp_steps)
         return self.candidates[allowed]
 
@@ -201,21 +223,35 @@ class DensityController:
         kept = next((c for c in front if c.density == self.density), None)
         if kept is not None and chosen is not kept and not self._clearly_better(chosen, kept, front):
             chosen = kept
-        self.density = chosen.density
-        self._last = {"step": step, "gains": list(gains), "seconds": list(seconds)}
+        held = chosen.density != self.density and self._dwelling(step, seconds)
+        if chosen.density != self.density and not held:
+            self._switched_at = step
+        self.density = self.density if held else chosen.density
+        # A held choice is reconsidered when the dwell ends, whether or not the inputs move again.
+        self._last = {"step": step, "gains": list(gains), "seconds": list(seconds), "held": held}
         self.decisions.append({
             "step": step,
-            "density": chosen.density,
+            "density": self.density,
+            "held": held,
             "floor": floor,
             "candidates": [asdict(Candidate(c, g, t)) for c, g, t in zip(self.candidates, gains, seconds)],
             "front": [c.density for c in front],
         })
         return self.density
 
+    def _dwelling(self, step: int, seconds: Sequence[float]) -> bool:
+        """Within ``min_dwell`` steps of the last switch, on a link that did not change since the last decision."""
+        if self._switched_at is None or step - self._switched_at >= self.min_dwell:
+            return False
+        before = self._last["seconds"] if self._last else seconds
+        return not any(_moved(now, old, self.link_change) for now, old in zip(seconds, before))
+
     def _should_redecide(self, step: int, gains: Sequence[float], seconds: Sequence[float]) -> bool:
         last = self._last
         if last is None or step - last["step"] >= self.redecide_every:
             return True
+        if last["held"] and step - self._switched_at >= self.min_dwell:
+            return True  # the dwell that held the last choice is over
         if self.floor_density(step) < self.floor_density(last["step"]):
             return True  # the ramp just allowed a sparser candidate
         # Any candidate's time, not only the current one's: a faster network moves dense's
@@ -258,13 +294,15 @@ class DensityController:
         return True  # the knee is a discrete point: no margin to apply
 
     def state_dict(self) -> dict[str, Any]:
-        return {"density": self.density, "last": self._last, "decisions": list(self.decisions)}
+        return {"density": self.density, "last": self._last, "switched_at": self._switched_at,
+                "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["density"] not in self.candidates:
             raise ValueError(f"checkpoint density {state['density']} is not among the candidates {self.candidates}")
         self.density = state["density"]
         self._last = state["last"]
+        self._switched_at = state["switched_at"]
         self.decisions = deque(state["decisions"], maxlen=DECISION_LOG)
 
 

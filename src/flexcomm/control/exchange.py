@@ -166,6 +166,8 @@ class ExchangeChooser:
         #: bucket -> (numel, value bytes) of the buckets of the current layout.
         self.sizes: dict[int, tuple[int, int]] = {}
         self.plan: dict[int, str] = {}
+        #: The density :attr:`plan` was made for (a plan for another density must not run).
+        self.plan_density: float | None = None
         self._block: dict[tuple[int, str], float] = {}
         self._kappa: dict[tuple[int, str], float] = {}
         # (density, world size) of each pair's last calibration: where a refit must not move its prediction.
@@ -265,6 +267,7 @@ class ExchangeChooser:
         """
         if not self.order:
             return
+        self.plan_density = density
         costs = self.step_costs(density, world)
         current = [self._simulated_plan.get(b) or min(EXCHANGE_ORDER, key=c.total) for b, c in zip(self.order, costs)]
         self._simulated_plan = dict(zip(self.order, best_plan(costs, current, self.hysteresis)))
@@ -364,7 +367,7 @@ class ExchangeChooser:
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
-                "plan": dict(self.plan), "block": _pairs(self._block), "kappa": _pairs(self._kappa),
+                "plan": dict(self.plan), "plan_density": self.plan_density, "block": _pairs(self._block), "kappa": _pairs(self._kappa),
                 "kappa_at": _pairs(self._kappa_at), "gap": dict(self._gap),
                 "measured_at": _pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
                 "measured_steps": dict(self.measured_steps),
@@ -375,6 +378,7 @@ class ExchangeChooser:
         self.params = self.estimator.params  # the parameters the saved calibrations are relative to
         self.sizes = {int(b): (int(n), int(v)) for b, (n, v) in state["sizes"].items()}
         self.plan = {int(b): str(e) for b, e in state["plan"].items()}
+        self.plan_density = state["plan_density"]
         self._block, self._kappa = _unpairs(state["block"]), _unpairs(state["kappa"])
         self._kappa_at = {key: (float(d), int(w)) for key, (d, w) in _unpairs(state.get("kappa_at", [])).items()}
         self._gap = {int(b): float(g) for b, g in state["gap"].items()}

@@ -25,12 +25,21 @@ received in the same collective, so every rank decides alike:
   across ranks every ``flex_interval`` steps (and at steps 1, 2, 4, ... before the first
   of them, so the model is calibrated early); the plan changes only then, and one bucket
   every few steps tries an alternative the model rates close (exploration by step counter).
-* ``density="auto"``: every ``measure_every`` steps each bucket's gain curve over the
-  candidates is computed from one top-k pass, summed over buckets and ranks by one
-  allreduce; the :class:`~flexcomm.control.density.DensityController` picks from the gains
-  and each candidate's predicted step time, and again at every agreement point (new times,
-  the last agreed gains), so a changed network is followed within ``flex_interval`` steps.
+* ``density="auto"``: the :class:`~flexcomm.control.density.DensityController` decides once
+  per agreement point, never between them, on the gains and times agreed there.  The gain
+  curve (one top-k pass per bucket over the candidates, summed over buckets and ranks by one
+  allreduce of fixed length) is measured at the step before an agreement point, at least
+  ``measure_every`` steps after the last one, so the decision sees it fresh (the first at
+  step 0, for the decision at step 1).  Each candidate's step time comes from step periods
+  measured at that same density where there are any (:mod:`flexcomm.control.periods`).
+  Whenever the density changes the exchange plan is made again for it.
 * the first ``warmup_steps`` steps, and density 1.0 under ``auto``, are dense.
+
+Collectives: whether the measurement allreduce runs, and its length, follow from the step
+counter and the exchanges every rank planned, never from rank-local samples
+(:mod:`flexcomm.control.measurements`).  :meth:`StepPlanner.state_dict` holds everything a
+later decision reads (unagreed samples and periods, the open step, the gain curve), so a
+resumed run decides as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -51,7 +60,9 @@ from flexcomm.compress import TopkWorkspace
 from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control.density import DensityController
 from flexcomm.control.exchange import ExchangeChooser, StepSample
-from flexcomm.control.step_log import LocalSample, StepLog
+from flexcomm.control.measurements import AgreedSample, agree_on_samples
+from flexcomm.control.periods import StepPeriods
+from flexcomm.control.step_log import LocalSample, StepLog, sample_from_row, sample_row
 from flexcomm.cost import CostEstimator, Observation
 
 
@@ -102,13 +113,17 @@ class StepPlanner:
         self.group = group
         self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting))
         self._log = StepLog()
+        # Local samples and the (step, bucket) every rank planned, since the last agreement point.
         self._pending: list[LocalSample] = []
-        # Wall time between consecutive steps' first buckets (a whole iteration), and the agreed
-        # median of recent ones: what the exchanges' simulation leaves out (forward, the
-        # backward before the first bucket, the optimizer) is this minus the simulated part.
+        self._expected: list[tuple[int, int]] = []
+        # Wall time between consecutive steps' first buckets (a whole iteration) since the last
+        # agreement point: (seconds, whether every bucket went dense, the step's density, the model's
+        # simulated step at that density when the step ran; 0: none).
         self._last_begin: float | None = None
-        self._periods: list[tuple[float, bool]] = []  # (seconds, whether every bucket went dense)
-        self.step_period: float | None = None
+        self._periods: list[tuple[float, bool, float, float]] = []
+        self._simulated = 0.0
+        #: Agreed step periods per density (``density="auto"``'s time predictions).
+        self.periods = StepPeriods(self.chooser.smoothing)
         #: ``(exchange, predicted, measured)`` seconds (blocking work + collectives) of every agreed bucket
         #: exchange, newest last: how far the model is from what it then measured.
         self.prediction_log: deque[tuple[str, float, float]] = deque(maxlen=PREDICTION_LOG)
@@ -117,8 +132,11 @@ class StepPlanner:
         self.measuring_gain = False
         # Gain curve of this step (density="auto"): kept energy per candidate, then the total.
         self._gain_energy: list[float] | None = None
-        # The last agreed gain of every candidate (density="auto").
+        # The last agreed gain of every candidate (density="auto"), and the step it was agreed at.
         self._gains: list[float] | None = None
+        self._gains_at: int | None = None
+        # (period, simulated) agreed at this agreement point per density, for the density decision.
+        self._new_periods: dict[float, tuple[float, float]] = {}
 
     @property
     def density(self) -> float:
@@ -138,30 +156,41 @@ class StepPlanner:
         """The agreement points of a step, at its first bucket, when no exchange is in flight."""
         if not self.estimating:
             return
-        closed = self._log.close()
-        self._pending += closed
-        now = perf_counter()
-        if self._last_begin is not None and closed:
-            self._periods.append((now - self._last_begin, all(s.exchange == "dense" for s in closed)))
-        self._last_begin = now
+        self._close_step()
         learned = False
         if self.probed_at is None or step - self.probed_at >= self.probe_every:
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
             self.probed_at = step
             learned = True
-        if self._agrees_at(step) and self._pending:
+        agrees = self._agrees_at(step)
+        if agrees and self._expected:  # the same on every rank: planned exchanges, not local samples
             self._agree_on_measurements()
             learned = True
         if learned:
             self.chooser.refresh()
         if self.controller:
             if self._gain_energy is not None:
-                self._decide_density(step)
-            elif learned and self._gains is not None:
-                self._update_density(step)  # new costs, the last agreed gain curve
-            self.measuring_gain = self.controller.measure_at(step)
-        if learned:
-            self.chooser.replan(self.density, self.world_size)
+                self._agree_on_gains(step)
+            if agrees:
+                self._update_density(step)  # the one decision of this agreement point
+            self.measuring_gain = self._agrees_at(step + 1) and self.controller.measure_due(step + 1, self._gains_at)
+        if learned or self.chooser.plan_density != self.density:
+            self.chooser.replan(self.density, self.world_size)  # never run a plan made for another density
+            if self.controller:
+                simulated = self.chooser.step_seconds(self.density, self.world_size, self.exchange)
+                self._simulated = simulated if math.isfinite(simulated) else 0.0
+
+    def _close_step(self) -> None:
+        """Move the finished step's samples and period to the pending measurements."""
+        expected = self._log.keys()
+        closed = self._log.close()
+        self._expected += expected
+        self._pending += closed
+        now = perf_counter()
+        if self._last_begin is not None and closed:
+            dense = all(s.exchange == "dense" for s in closed)
+            self._periods.append((now - self._last_begin, dense, closed[0].density, self._simulated))
+        self._last_begin = now
 
     def _agrees_at(self, step: int) -> bool:
         """Every ``flex_interval`` steps, and at steps 1, 2, 4, ... before the first such step:
@@ -197,60 +226,69 @@ class StepPlanner:
         if self.estimating:
             self._log.finished(step, bucket_index, observation, t_compress or 0.0)
 
-    def _decide_density(self, step: int) -> None:
-        """Agree on the gain curve (sum over ranks), then let the controller pick."""
-        assert self.controller is not None
+    def _agree_on_gains(self, step: int) -> None:
+        """Agree on the gain curve measured at the previous step (sum over ranks)."""
+        assert self.controller is not None and self._gain_energy is not None
         energy = allreduce_floats(self._gain_energy, self.group, dist.ReduceOp.SUM)
         self._gain_energy = None
         *kept, total = energy
         if not all(math.isfinite(e) for e in energy) or total <= 0.0:
             return  # a non-finite or all-zero step says nothing about the trade-off
         self._gains = [math.sqrt(k / total) for k in kept]
-        self._update_density(step)
+        self._gains_at = step
 
     def _update_density(self, step: int) -> None:
-        """The controller's decision on the last agreed gains and the predicted step time of every candidate."""
-        assert self.controller is not None and self._gains is not None
+        """The controller's decision on the last agreed gains and every candidate's predicted step period.
+
+        Every candidate is predicted from the periods measured at its own density, each paired
+        with the simulated step the model gave when those steps ran (:mod:`flexcomm.control.periods`):
+        whole steps, so that the controller's slack is a share of the step, not of its exchanges.
+        """
+        assert self.controller is not None
+        candidates = self.controller.candidates
         world = self.world_size
-        simulated = [self.chooser.step_seconds(c, world, self.exchange) for c in self.controller.candidates]
+        simulated = [self.chooser.step_seconds(c, world, self.exchange) for c in candidates]
+        new, self._new_periods = self._new_periods, {}
         if not all(math.isfinite(t) for t in simulated):
             return
-        # Whole steps, so that the controller's slack is a share of the step, not of its exchanges.
-        now = self.chooser.step_seconds(self.density, world, self.exchange)
-        rest = max(0.0, self.step_period - now) if self.step_period is not None else 0.0
-        self.controller.update(step, self._gains, [rest + t for t in simulated])
+        for density, (period, ran_under) in new.items():
+            # A step that ran before the model knew any bucket (step 0) pairs with the model now.
+            self.periods.observe(step, density, period, ran_under or simulated[candidates.index(density)])
+        if self._gains is not None:
+            self.controller.update(step, self._gains, self.periods.predict(candidates, simulated))
 
     def _agree_on_measurements(self) -> None:
-        """Feed every rank the same step samples (see :mod:`flexcomm.control.step_log`).
+        """Feed every rank the same step samples and periods (see :mod:`flexcomm.control.measurements`).
 
-        One allreduce(MAX) carries all: service and gap negated (-max(-t) = min t), block and the
-        median step periods (the slowest rank's; all steps, all-dense steps, the others; 0: none)
-        as they are.
+        Periods, combined by MAX (the slowest rank's; 0: none): the medians of all-dense steps and
+        of the others (the guard's); under ``auto`` also, per candidate density, the median period
+        of the steps run at it and the median of the simulated steps they ran under (the same on
+        every rank).
         """
-        samples = sorted(self._pending, key=lambda s: (s.step, s.bucket))
-        self._pending = []
-        n = len(samples)
-        periods = [_median([t for t, _ in self._periods]), _median([t for t, dense in self._periods if dense]),
-                   _median([t for t, dense in self._periods if not dense])]
-        self._periods = []
-        agreed = allreduce_floats([-s.service for s in samples] + [-s.gap for s in samples] + [s.block for s in samples]
-                                  + periods, self.group, dist.ReduceOp.MAX)
-        service, gap, block = [-t for t in agreed[:n]], [-t for t in agreed[n:2 * n]], agreed[2 * n:3 * n]
-        period, dense_period, other_period = agreed[3 * n:]
-        if period > 0.0:
-            self.step_period = period
-        self.chooser.observe_steps(samples[-1].step, dense_period or None, other_period or None)
+        candidates = self.controller.candidates if self.controller else ()
+        periods = [_median([t for t, dense, _, _ in self._periods if dense]),
+                   _median([t for t, dense, _, _ in self._periods if not dense])]
+        periods += [_median([t for t, _, d, _ in self._periods if d == c]) for c in candidates]
+        periods += [_median([sim for _, _, d, sim in self._periods if d == c]) for c in candidates]
+        agreed, (dense_period, other_period, *by_density) = agree_on_samples(
+            self._expected, self._pending, periods, self.group)
+        self._pending, self._expected, self._periods = [], [], []
+        n = len(candidates)
+        self._new_periods = {c: (t, sim) for c, t, sim in zip(candidates, by_density[:n], by_density[n:]) if t > 0.0}
+        if not agreed:
+            return
+        last = agreed[-1].sample.step
+        self.chooser.observe_steps(last, dense_period or None, other_period or None)
         # The collectives' own times are clean network samples (the raw ones counted queueing).
-        self.chooser.estimator.observe_all(s.observation._replace(seconds=t) for s, t in zip(samples, service))
-        last = samples[-1].step
-        self.chooser.sizes = {s.bucket: (s.numel, s.value_bytes) for s in samples if s.step == last}
-        for step in sorted({s.step for s in samples}):
-            self.chooser.observe(step, [
-                StepSample(s.bucket, s.exchange, s.density, b, c, g)
-                for s, c, g, b in zip(samples, service, gap, block) if s.step == step and s.bucket in self.chooser.sizes
-            ], self.world_size)
-        self.prediction_log.extend((s.exchange, s.predicted, b + c) for s, c, b in zip(samples, service, block)
-                                   if math.isfinite(s.predicted))
+        self.chooser.estimator.observe_all(a.sample.observation._replace(seconds=a.service) for a in agreed)
+        self.chooser.sizes = {a.sample.bucket: (a.sample.numel, a.sample.value_bytes) for a in agreed
+                              if a.sample.step == last}
+        for step in sorted({a.sample.step for a in agreed}):
+            self.chooser.observe(step, [_step_sample(a) for a in agreed
+                                        if a.sample.step == step and a.sample.bucket in self.chooser.sizes],
+                                 self.world_size)
+        self.prediction_log.extend((a.sample.exchange, a.sample.predicted, a.block + a.service) for a in agreed
+                                   if math.isfinite(a.sample.predicted))
 
     def fingerprint(self) -> dict[str, object]:
         """The decision settings that must be equal on every rank, one key per option (the error names it)."""
@@ -261,11 +299,22 @@ class StepPlanner:
         return {"density": "auto" if controller else self.fixed_density, **settings, "warmup_steps": self.warmup_steps}
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything a later decision reads; clock readings as ages (a clock does not survive a restart)."""
         return {
             "chooser": self.chooser.state_dict(),
             "probed_at": self.probed_at,
             "controller": self.controller.state_dict() if self.controller else None,
             "gains": self._gains,
+            "gains_at": self._gains_at,
+            "gain_energy": self._gain_energy,
+            "measuring_gain": self.measuring_gain,
+            "periods": self.periods.state_dict(),
+            "pending": [sample_row(s) for s in self._pending],
+            "expected": [list(key) for key in self._expected],
+            "step_periods": [list(p) for p in self._periods],
+            "simulated": self._simulated,
+            "open_step": self._log.state_dict(),
+            "since_begin": None if self._last_begin is None else perf_counter() - self._last_begin,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,9 +322,23 @@ class StepPlanner:
             raise ValueError("checkpoint and this run disagree on density='auto'")
         self.chooser.load_state_dict(state["chooser"])
         self.probed_at = state["probed_at"]
-        self._gains = state["gains"]
+        self._gains, self._gains_at = state["gains"], state["gains_at"]
+        self._gain_energy, self.measuring_gain = state["gain_energy"], state["measuring_gain"]
         if self.controller:
             self.controller.load_state_dict(state["controller"])
+        self.periods.load_state_dict(state["periods"])
+        self._pending = [sample_from_row(row) for row in state["pending"]]
+        self._expected = [(int(s), int(b)) for s, b in state["expected"]]
+        self._periods = [(float(t), bool(dense), float(d), float(sim)) for t, dense, d, sim in state["step_periods"]]
+        self._simulated = state["simulated"]
+        self._log.load_state_dict(state["open_step"])
+        since = state["since_begin"]
+        self._last_begin = None if since is None else perf_counter() - since
+
+
+def _step_sample(a: AgreedSample) -> StepSample:
+    s = a.sample
+    return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap)
 
 
 def _median(values: Sequence[float]) -> float:

@@ -24,8 +24,10 @@ did not wait for its own selection -- max of ``block``, which every rank waits f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from time import perf_counter
+from typing import Any
 
 from flexcomm.cost import Observation
 
@@ -81,6 +83,26 @@ class StepLog:
         if entry is not None:
             entry.observation, entry.block, entry.done = observation, block, perf_counter()
 
+    def keys(self) -> list[tuple[int, int]]:
+        """``(step, bucket)`` of every exchange entered this step: the same list on every rank."""
+        return sorted((self._step, b) for b in self._entries) if self._step is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open step's entries, times as ages (seconds before now): a clock does not survive a restart."""
+        now = perf_counter()
+        return {"step": self._step, "entries": [
+            [e.bucket, e.exchange, e.density, e.numel, e.value_bytes, e.predicted, now - e.entered,
+             None if e.observation is None else list(e.observation), e.block, now - e.done]
+            for e in self._entries.values()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        now = perf_counter()
+        self._step = state["step"]
+        self._entries = {}
+        for bucket, exchange, density, numel, vb, predicted, entered, observation, block, done in state["entries"]:
+            self._entries[bucket] = _Entry(bucket, exchange, density, numel, vb, predicted, now - entered,
+                                           None if observation is None else Observation(*observation), block, now - done)
+
     def close(self) -> list[LocalSample]:
         """The finished step's samples, in hook order; the log starts over."""
         entries = sorted(self._entries.values(), key=lambda e: e.entered)
@@ -123,3 +145,16 @@ def _service_times(entries: list[_Entry]) -> dict[int, float]:
         for e in period:
             service[e.bucket] = busy * (e.observation.nbytes / total if total else 1.0 / len(period))
     return service
+
+
+def sample_row(sample: LocalSample) -> list[Any]:
+    """A sample as plain values (checkpoints load with ``weights_only=True``)."""
+    row = list(astuple(sample))
+    row[6] = list(sample.observation)
+    return row
+
+
+def sample_from_row(row: Sequence[Any]) -> LocalSample:
+    values = list(row)
+    values[6] = Observation(*values[6])
+    return LocalSample(*values)

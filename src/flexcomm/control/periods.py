@@ -1,0 +1,81 @@
+"""Whole-step periods measured per density, and every candidate's predicted period from them.
+
+A step's period is the wall time from its first bucket to the next step's first bucket: the
+exchanges the step simulation (:func:`~flexcomm.control.exchange.simulate_step`) models
+plus what it leaves out (forward, the backward before the first bucket, the optimizer).
+For each density ``d`` the table keeps ``P[d]``, the agreed median period of steps run at
+``d`` (EWMA over agreement points; a value more than ``JUMP`` times off replaces it whole: a
+new regime), and ``S[d]``, the median of the simulated steps those same steps ran under.
+A candidate ``c`` is predicted from a measurement at the *same* density wherever one exists,
+moved by what the model learned since (``S_now``, the simulated step now):
+
+    T(c) = carry(P[c], S[c], S_now(c))                                c measured
+    T(c) = carry(carry(P[a], S[a], S_now(a)), S_now(a), S_now(c))     else, a the newest measured
+    T(c) = S_now(c)                                                   nothing measured yet
+
+``carry(P, S, S')`` moves a period by the model's change: ``P + (S' - S)`` when the model's
+step got longer (a slower link adds its extra exchange time to the whole step), and
+``max(P + S' - S, P * S' / S)`` when it got shorter (never below the proportional shrink,
+so never <= 0).  ``P[d] - S[d]`` is what the model leaves out, measured at ``d`` and paired
+step by step with the model the steps ran under, so it keeps forward and optimizer whatever
+the link did since.  (The old prediction, ``max(0, P - S_now(cur)) + S_now(c)`` with ``P``
+measured at whatever density last ran and ``S_now(cur)`` simulated at the density just
+chosen, mixed densities and moments: right after a link drop ``S_now`` had learned the
+drop while ``P`` had not, the difference clamped to 0, every candidate lost forward and
+optimizer, and single steps jumped to the sparsest density.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from flexcomm.control.exchange import JUMP
+
+
+def carry(period: float, then: float, now: float) -> float:
+    """A period measured when the model simulated ``then``, moved to a model that simulates ``now``."""
+    if now >= then or then <= 0.0:
+        return period + (now - then)
+    return max(period + (now - then), period * now / then)
+
+
+class StepPeriods:
+    """Agreed step periods per density, each with the simulated step of its agreement point.
+
+    Args:
+        smoothing: EWMA weight of the old period.
+    """
+
+    def __init__(self, smoothing: float = 0.7) -> None:
+        self.smoothing = smoothing
+        # density -> (period P, simulated S at the same agreement point, step of the measurement)
+        self._measured: dict[float, tuple[float, float, int]] = {}
+
+    def observe(self, step: int, density: float, period: float, simulated: float) -> None:
+        """An agreed median period of steps run at ``density``, and the simulated step they ran under."""
+        old = self._measured.get(density)
+        if old is not None and old[0] / JUMP <= period <= old[0] * JUMP:
+            period = self.smoothing * old[0] + (1.0 - self.smoothing) * period
+            simulated = self.smoothing * old[1] + (1.0 - self.smoothing) * simulated
+        self._measured[density] = (period, simulated, step)
+
+    def predict(self, densities: Sequence[float], simulated: Sequence[float]) -> list[float]:
+        """The predicted period of every density, from ``simulated`` (the model's step at each, now)."""
+        now = dict(zip(densities, simulated))
+        carried = {d: carry(p, s, now[d]) for d, (p, s, _) in self._measured.items() if d in now}
+        if not carried:
+            return list(simulated)
+        return [carried[c] if c in carried else carry(carried[a], now[a], now[c])
+                for c, a in ((c, self._anchor(c, carried)) for c in densities)]
+
+    def _anchor(self, density: float, carried: dict[float, float]) -> float:
+        """The newest measured density, the nearest (in log density) among equally new ones."""
+        return max(carried, key=lambda d: (self._measured[d][2], -abs(math.log(d / density))))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"measured": [[d, p, s, at] for d, (p, s, at) in sorted(self._measured.items())]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._measured = {float(d): (float(p), float(s), int(at)) for d, p, s, at in state["measured"]}

@@ -187,3 +187,26 @@ def test_a_resumed_run_takes_the_decisions_of_the_uninterrupted_one() -> None:
         assert resumed[rank]["chooser"] == straight[rank]["chooser"]
     after = {density for density, _ in straight[0]["ran"][RESUME_AFTER + 1:]}
     assert len(after) > 1, "no density change after the resume to compare"
+
+
+# ---------------------------------------------------------------- a minimum dwell, a link change at once (cause 5)
+
+GAINS = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]
+SLOW = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]  # goodput picks 0.1
+
+
+def test_a_switch_holds_for_min_dwell_steps_then_takes_the_held_choice() -> None:
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)  # min_dwell: 30
+    assert controller.update(0, GAINS, SLOW) == 0.1
+    # 0.033's time moved 29% (past cost_change, not link_change): it now wins by 7% > hysteresis,
+    # but a switch 10 steps after the last one would disturb the residual again.
+    better = [3.0, 1.5, 0.85, 1.08, 1.02, 1.0]
+    assert controller.update(10, GAINS, better) == 0.1
+    assert controller.update(20, GAINS, better) == 0.1
+    assert controller.update(30, GAINS, better) == 0.033  # the dwell is over: the held choice is taken
+
+
+def test_a_link_change_is_followed_at_once_within_the_dwell() -> None:
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)  # min_dwell: 30
+    assert controller.update(0, GAINS, SLOW) == 0.1
+    assert controller.update(10, GAINS, [3.0, 1.5, 0.55, 1.08, 1.02, 1.0]) == 0.033  # moved 54%: a new link

@@ -139,11 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--powersgd-rank", type=_int_at_least(1), metavar="R",
                       help="PowerSGD's matrix approximation rank (default: 1)")
     comm.add_argument("--auto-warmup", type=_int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
-                      help="--density auto: dense steps before the controller may lower the density "
-                           "(default: %(default)s)")
+                      help="--density auto: dense steps before the controller's first decision; 0: it "
+                           "decides at step 1, so a slow link runs sparse from step 1 or 2 (default: %(default)s)")
     comm.add_argument("--auto-every", type=_int_at_least(1), default=_DEFAULTS.auto_every, metavar="N",
-                      help="--density auto: steps between gain measurements and decisions; the ramp "
-                           "opens one candidate per N steps (default: %(default)s)")
+                      help="--density auto: least steps between gain measurements (default: %(default)s)")
     comm.add_argument("--auto-rule", choices=RULES, default=_DEFAULTS.auto_rule,
                       help="--density auto: how a point of the Pareto front is picked (default: %(default)s)")
 

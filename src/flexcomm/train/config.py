@@ -46,7 +46,7 @@ class TrainConfig:
     compressor: str = "artopk-star"
     density: float | str | None = 0.01  # "auto": the dynamic compression-ratio controller
     warmup_steps: int = 0
-    auto_warmup: int = 100  # --density auto: the controller's warm-up, measurement interval and rule
+    auto_warmup: int = 0  # --density auto: the controller's warm-up, measurement interval and rule
     auto_every: int = 50
     auto_rule: str = "goodput"
     powersgd_rank: int | None = None

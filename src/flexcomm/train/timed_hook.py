@@ -203,8 +203,7 @@ def _make_state(cfg: TrainConfig) -> Any:
         raise ValueError(f"--compressor {cfg.compressor} needs a --density")
     controller = None
     if cfg.density == "auto":
-        controller = DensityController(rule=cfg.auto_rule, warmup_steps=cfg.auto_warmup,
-                                       measure_every=cfg.auto_every, ramp_steps=cfg.auto_every)
+        controller = DensityController(rule=cfg.auto_rule, warmup_steps=cfg.auto_warmup, measure_every=cfg.auto_every)
     return flexcomm.FlexState(compressor=cfg.compressor, density=cfg.density, controller=controller,
                               warmup_steps=cfg.warmup_steps)
 

@@ -93,6 +93,8 @@ class Spec:
     auto_warmup: int | None = None  # --auto-warmup; default auto_warmup(steps)
     eval_every: int = EVAL_EVERY
     auto_rule: str | None = None  # --auto-rule; None: flexcomm-train's default (of the day the run ran)
+    test_subset: int = TEST_SUBSET  # 10000: the full Fashion-MNIST test set
+    app_defaults: bool = False  # density="auto" as a user runs it: no --auto-* flag at all
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # -- resolved settings -----------------------------------------------------------------------
@@ -127,7 +129,7 @@ class Spec:
             "--model", self.model, "--width", f"{MODELS[self.model]['width']:g}",
             "--nproc", str(self.nproc), "--net", self.schedule,
             "--steps", str(self.n_steps), "--train-subset", str(TRAIN_SUBSET),
-            "--test-subset", str(TEST_SUBSET), "--eval-every", str(self.eval_every),
+            "--test-subset", str(self.test_subset), "--eval-every", str(self.eval_every),
             "--seed", str(self.seed), "--checkpoint-every", "0", "--no-report",
             "--compressor", self.compressor,
         ]
@@ -135,7 +137,7 @@ class Spec:
             a += ["--partition", self.partition, "--dirichlet-alpha", f"{self.dirichlet_alpha:g}"]
         if self.density is not None and self.compressor not in ("powersgd", "fp16"):
             a += ["--density", self.density]
-        if self.density == "auto":
+        if self.density == "auto" and not self.app_defaults:
             warmup = auto_warmup(self.n_steps) if self.auto_warmup is None else self.auto_warmup
             a += ["--auto-warmup", str(warmup), "--auto-every", str(self.auto_every)]
             if self.auto_rule is not None:

@@ -66,7 +66,7 @@ def test_newest_step_is_the_tail_that_shares_the_last_step() -> None:
 
 
 def _decided_controller() -> DensityController:
-    controller = DensityController(candidates=(1.0, 0.1, 0.01), warmup_steps=0, ramp_steps=1)
+    controller = DensityController(candidates=(1.0, 0.1, 0.01), rule="goodput", warmup_steps=0, ramp_steps=1)
     # Goodput gain**2 / seconds: 1/2 = 0.5, 0.81/0.5 = 1.62, 0.25/0.25 = 1.0 -> density 0.1.
     controller.update(step=4, gains=[1.0, 0.9, 0.5], seconds=[2.0, 0.5, 0.25])
     return controller

@@ -1,0 +1,210 @@
+"""Does the adaptive engine pay for itself?  flex + density="auto" against every setting a user could pick.
+
+    python benchmarks/adaptive_e2e.py --group mlp [--seeds 1,2,3,4,5] [--report-only] [--dry-run]
+
+One group is one model on 2 emulated hosts whose link changes between 1 Gbit/s and
+100 Mbit/s.  Per seed every method trains the same steps (no early stop), evaluated on the
+full 10,000-image test set (evaluation time is not training time):
+
+* statics a user could pick: dense DDP, PyTorch's fp16 and PowerSGD (rank 4) hooks,
+  AG-Topk and AR-Topk (STAR) at densities 0.01 and 0.1;
+* flexcomm's adaptive modes as a user turns them on: ``flex`` at 0.01 and ``flex`` with
+  ``density="auto"`` and no tuning flag (the app's defaults).
+
+Per seed the target is 0.95 x that seed's dense best accuracy (rounded down to 0.1 point).
+Reported per method over seeds (mean and min-max): time to target (training time), final
+accuracy (mean of the last 3 evaluations), mean step time and density, density switches
+per 100 steps; and the issue's goals per seed: auto's time to target over the fastest
+static setting's (goal: median <= 1.0, worst <= 1.15), auto's final accuracy minus dense's
+(goal >= -1 point), flex 0.01 over the faster of AG-Topk and AR-Topk at 0.01 (goal <= 1.05).
+
+Seeds run one after another, methods in an order rotated per seed (so the machine's load
+drifts over different methods in different seeds).  A finished run is reused (see
+``runs.py``); ``--report-only`` only tabulates what is there.  Writes
+``results/adaptive_<group>.csv`` (per run), ``adaptive_<group>.md`` and ``adaptive_<group>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import runs
+from common import figure, save, write_csv
+from runs import RESULTS, Run, Spec, fmt, load, md_table, time_to_target
+
+from flexcomm.train.records import FINAL_EVALS
+
+FULL_TEST_SET = 10_000
+TARGET_FRACTION = 0.95
+STATICS = (("dense", None), ("fp16", None), ("powersgd", None), ("agtopk", "0.01"), ("agtopk", "0.1"),
+           ("artopk-star", "0.01"), ("artopk-star", "0.1"))
+ADAPTIVE = (("flex", "0.01"), ("flex", "auto"))
+AUTO, FLEX_FIXED = "flex auto", "flex 0.01"
+
+
+@dataclass(frozen=True)
+class Group:
+    model: str
+    steps: int
+    net: str
+    eval_every: int
+
+
+GROUPS = {
+    # Communication-bound: ~10 ms of compute per step, 2.7 MB of gradients.
+    "mlp": Group("mlp", 400, "1gbit:4s,100mbit:12s,1gbit:6s,100mbit", 25),
+    "resnet18": Group("resnet18", 400, "1gbit:6s,100mbit:15s,1gbit", 50),
+    "vit": Group("vit", 400, "1gbit:6s,100mbit:15s,1gbit", 50),
+    "alexnet": Group("alexnet", 500, "1gbit:3s,100mbit:8s,1gbit", 50),
+}
+
+
+def specs(group: Group, seeds: Sequence[int]) -> list[Spec]:
+    methods = STATICS + ADAPTIVE
+    out = []
+    for seed in seeds:
+        turn = seed % len(methods)
+        for compressor, density in methods[turn:] + methods[:turn]:
+            out.append(Spec(group.model, compressor, density, powersgd_rank=4 if compressor == "powersgd" else None,
+                            steps=group.steps, net=group.net, seed=seed, eval_every=group.eval_every,
+                            test_subset=FULL_TEST_SET, app_defaults=True))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--group", choices=sorted(GROUPS), default="mlp")
+    ap.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default: %(default)s)")
+    ap.add_argument("--report-only", action="store_true", help="run nothing; tabulate the runs there are")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = ap.parse_args()
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    group = GROUPS[args.group]
+    todo = specs(group, seeds)
+    if args.dry_run:
+        for s in todo:
+            print(("[done] " if runs.done(s) else "") + s.pretty_command())
+        return
+    if not args.report_only:
+        runner = runs.Runner(f"adaptive {args.group}")
+        runner.run_all(todo)
+        print(runner.account())
+    report(args.group, [r for r in (load(s) for s in todo) if r is not None])
+
+
+# ------------------------------------------------------------------------------------------ report
+def method_of(run: Run) -> str:
+    return "powersgd-r4" if run.spec.compressor == "powersgd" else run.spec.method
+
+
+def row_of(run: Run, target: float | None) -> dict[str, Any]:
+    densities = [r.get("density") for r in run.records]
+    switches = sum(1 for a, b in zip(densities, densities[1:]) if a is not None and b is not None and a != b)
+    evals = run.evals
+    return {
+        "seed": run.spec.seed, "method": method_of(run), "target": target,
+        "time_to_target_s": time_to_target(run, target)[0] if target is not None else None,
+        "final_accuracy": statistics.fmean(e["accuracy"] for e in evals[-FINAL_EVALS:]) if evals else None,
+        "best_accuracy": max((e["accuracy"] for e in evals), default=None),
+        "train_time_s": sum(r["t_step"] for r in run.records),
+        "mean_step_ms": 1e3 * statistics.fmean(r["t_step"] for r in run.records),
+        "mean_density": statistics.fmean(d for d in densities if d is not None) if any(d is not None for d in densities) else None,
+        "switches_per_100": 100 * switches / max(1, len(densities)),
+        "bytes_mb": sum(r["bytes"] for r in run.records) / 1e6,
+    }
+
+
+def _target(dense: Run | None) -> float | None:
+    return runs.target_from(dense, TARGET_FRACTION) if dense is not None else None
+
+
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per seed: auto over the fastest static, auto's accuracy gap to dense, flex 0.01 over the faster fixed sparse exchange."""
+    out = []
+    for seed in sorted({r["seed"] for r in rows}):
+        by = {r["method"]: r for r in rows if r["seed"] == seed}
+        statics = {m: r["time_to_target_s"] for m, r in by.items() if m not in (AUTO, FLEX_FIXED)
+                   and r["time_to_target_s"] is not None}
+        fastest = min(statics, key=statics.get) if statics else None
+        auto, flex = by.get(AUTO, {}), by.get(FLEX_FIXED, {})
+        pair = [by[m]["time_to_target_s"] for m in ("agtopk 0.01", "artopk-star 0.01") if m in by and by[m]["time_to_target_s"]]
+        out.append({
+            "seed": seed, "fastest_static": fastest,
+            "auto_over_fastest": _ratio(auto.get("time_to_target_s"), statics.get(fastest)),
+            "auto_minus_dense_pp": _gap(auto.get("final_accuracy"), by.get("dense", {}).get("final_accuracy")),
+            "flex001_over_best_fixed": _ratio(flex.get("time_to_target_s"), min(pair) if pair else None),
+        })
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _gap(a: float | None, b: float | None) -> float | None:
+    return 100 * (a - b) if a is not None and b is not None else None
+
+
+def _summary(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "never"
+    text = f"{statistics.fmean(present):.3g} ({min(present):.3g}-{max(present):.3g})"
+    return text if len(present) == len(values) else f"{text}, reached {len(present)}/{len(values)}"
+
+
+def report(name: str, loaded: list[Run]) -> None:
+    dense = {r.spec.seed: r for r in loaded if r.spec.compressor == "dense"}
+    rows = [row_of(r, _target(dense.get(r.spec.seed))) for r in loaded]
+    write_csv(RESULTS / f"adaptive_{name}.csv", rows, float_format=".6g")
+    per_seed = goals(rows)
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
+    methods.sort(key=lambda m: (m in (FLEX_FIXED, AUTO), m))
+    table = md_table(
+        ["method", "time to target s", f"final acc (last {FINAL_EVALS})", "step ms", "density", "switches/100"],
+        [[m, *(_summary([r[k] for r in rows if r["method"] == m])
+               for k in ("time_to_target_s", "final_accuracy", "mean_step_ms", "mean_density", "switches_per_100"))]
+         for m in methods])
+    goal_table = md_table(
+        ["seed", "fastest static", "auto / fastest static (<= 1.0 median, 1.15 worst)", "auto - dense, points (>= -1)",
+         "flex 0.01 / best fixed 0.01 (<= 1.05)"],
+        [[str(g["seed"]), str(g["fastest_static"]), fmt(g["auto_over_fastest"]), fmt(g["auto_minus_dense_pp"]),
+          fmt(g["flex001_over_best_fixed"])] for g in per_seed])
+    ratios = [g["auto_over_fastest"] for g in per_seed if g["auto_over_fastest"] is not None]
+    headline = (f"auto / fastest static: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f} over "
+                f"{len(ratios)} seeds (reached in {len(ratios)}/{len(per_seed)})") if ratios else "auto never reached the target"
+    group = GROUPS[name]
+    text = (f"# Adaptive engine end to end: {group.model}, 2 ranks, {group.steps} steps, link {group.net}\n\n"
+            f"Command: `python benchmarks/adaptive_e2e.py --group {name}`; target 0.95 x dense's best per seed; "
+            f"full test set every {group.eval_every} steps.\n\n{headline}\n\n{table}\n\n{goal_table}\n")
+    (RESULTS / f"adaptive_{name}.md").write_text(text)
+    print(text)
+    _plot(name, rows, methods)
+
+
+def _plot(name: str, rows: list[dict[str, Any]], methods: list[str]) -> None:
+    fig, axes = figure(1, 2, figsize=(12, 4.5))
+    for ax, key, label in ((axes[0][0], "time_to_target_s", "time to target (s, training time)"),
+                           (axes[0][1], "final_accuracy", f"final accuracy (mean of last {FINAL_EVALS} evals)")):
+        for i, m in enumerate(methods):
+            values = [r[key] for r in rows if r["method"] == m and r[key] is not None]
+            color = "tab:red" if m == AUTO else "tab:orange" if m == FLEX_FIXED else "tab:gray"
+            if values:
+                ax.bar(i, statistics.fmean(values), color=color, alpha=0.6)
+                ax.scatter([i] * len(values), values, color="black", s=10, zorder=3)
+        ax.set_xticks(range(len(methods)), methods, rotation=40, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+    axes[0][1].set_ylim(bottom=max(0.0, min((r["final_accuracy"] or 1) for r in rows) - 0.05))
+    fig.suptitle(f"{name}: every seed (dots) and the mean (bar); red: flex + auto, orange: flex 0.01")
+    save(fig, RESULTS / f"adaptive_{name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -85,17 +85,32 @@ def test_the_two_newest_complete_sets_are_kept(tmp_path: Path) -> None:
             checkpoint.save_rank(tmp_path, cfg, rank, step, {"x": torch.arange(step)})
         checkpoint.publish(tmp_path, cfg, step)
         for rank in (0, 1):
-            checkpoint.prune(tmp_path, rank)
+            checkpoint.prune(tmp_path, rank, 2)
     assert checkpoint.read_latest(tmp_path)["steps"] == [9, 6]
     files = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir())
     assert files == ["latest.json", *(checkpoint.rank_file(tmp_path, r, s).name for s in (6, 9) for r in (0, 1))]
+
+
+def test_a_run_resumed_on_fewer_ranks_prunes_the_departed_ranks_files(tmp_path: Path) -> None:
+    for step, nproc in ((3, 2), (6, 2), (9, 1), (12, 1)):
+        cfg = TrainConfig(nproc=nproc)
+        for rank in range(nproc):
+            checkpoint.save_rank(tmp_path, cfg, rank, step, {})
+        checkpoint.publish(tmp_path, cfg, step)
+        for rank in range(nproc):
+            checkpoint.prune(tmp_path, rank, nproc)
+        if step == 9:  # step 6's set, written by 2 ranks, is still the fallback
+            assert checkpoint.read_latest(tmp_path)["nproc"] == [1, 2]
+            assert checkpoint.rank_file(tmp_path, 1, 6).exists()
+    files = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir())
+    assert files == ["latest.json", checkpoint.rank_file(tmp_path, 0, 9).name, checkpoint.rank_file(tmp_path, 0, 12).name]
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (["--compressor", "agtopk"], "--compressor 'artopk-star' (this run: 'agtopk')"),
-        (["--nproc", "1"], "--nproc 2 (this run: 1)"),
+        (["--batch-size", "16"], "--batch-size 32 (this run: 16)"),
         (["--model", "resnet18"], "--model 'alexnet' (this run: 'resnet18')"),
     ],
 )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flexcomm import FlexState
+from flexcomm import FlexState, elastic
 
 #: Where the integrations put the list of per-rank states in a checkpoint.
 CHECKPOINT_KEY = "flexcomm_rank_states"
@@ -56,13 +56,20 @@ def has_cpu_backend(backend: str) -> bool:
     return backend == "gloo" or "cpu:" in backend
 
 
-def load_own_rank_state(state: FlexState, rank_states: list[dict[str, Any]]) -> None:
-    """Load this rank's entry of :func:`gather_rank_states`'s list into ``state``."""
+def load_own_rank_state(state: FlexState, rank_states: list[dict[str, Any]], residuals: str = "fold") -> None:
+    """Load this rank's entry of :func:`gather_rank_states`'s list into ``state``.
+
+    A list of another length (saved by N ranks, this job has M) loads under the policy of
+    :mod:`flexcomm.elastic`: a remaining rank takes its own entry and, with
+    ``residuals="fold"``, folds in the departed ranks ``rank + M, rank + 2M, ...``; a new
+    rank takes entry 0's step and controller and starts with zero residuals.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if not isinstance(rank_states, list) or len(rank_states) != world_size:
-        count = len(rank_states) if isinstance(rank_states, list) else "no list of"
-        raise ValueError(
-            f"the checkpoint holds flexcomm hook states of {count} ranks, but this job has {world_size} "
-            "ranks: resume with the world size it was saved with"
-        )
-    state.load_state_dict(rank_states[rank])
+    if not isinstance(rank_states, list) or not rank_states:
+        raise ValueError("the checkpoint's flexcomm hook states must be a non-empty list, one state per saved rank")
+    if len(rank_states) == world_size:
+        state.load_state_dict(rank_states[rank])
+        return
+    own, departed = elastic.sources(rank, world_size, len(rank_states))
+    folded = [rank_states[j] for j in departed] if residuals == "fold" else []
+    state.load_state_dict(rank_states[own], departed_states=folded, residuals=residuals)

@@ -30,13 +30,14 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from flexcomm import elastic
 from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, mark_ready
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
@@ -256,13 +257,27 @@ class FlexState:
             "planner": self.planner.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses another rank's state, compressor or world size."""
+    def load_state_dict(
+        self, state: dict[str, Any], departed_states: Sequence[dict[str, Any]] = (), residuals: str = "fold",
+    ) -> None:
+        """Restore :meth:`state_dict`; refuses another rank's state or another compressor.
+
+        A state saved at another world size loads (before the first step) under the policy
+        of :mod:`flexcomm.elastic`: a remaining rank passes its own saved state and, with
+        ``residuals="fold"`` (default), the ``departed_states`` folded into it
+        (:func:`flexcomm.elastic.sources` names them); ``residuals="drop"`` drops them.
+        """
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"unsupported FlexState checkpoint format {state.get('format')!r} (this version writes {_STATE_FORMAT})")
-        for key, mine in (("compressor", self.compressor), ("world_size", self.world_size)):
-            if state[key] != mine:
-                raise ValueError(f"checkpoint was written with {key}={state[key]!r}, this run has {key}={mine!r}")
+        if state["compressor"] != self.compressor:
+            raise ValueError(f"checkpoint was written with compressor={state['compressor']!r}, this run has compressor={self.compressor!r}")
+        if state["world_size"] != self.world_size:
+            if self._config_checked:  # the planner and leaders already hold this job's measurements
+                raise RuntimeError("load a state saved at another world size before the first step (into a new FlexState)")
+            elastic.load_resized(self, state, departed_states, residuals)
+            return
+        if departed_states:
+            raise ValueError("departed_states only apply to a state saved at another world size")
         if state["rank"] != self.rank:
             raise ValueError(
                 f"this FlexState checkpoint belongs to rank {state['rank']} of {state['world_size']}, but it is being "

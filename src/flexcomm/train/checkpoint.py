@@ -5,8 +5,9 @@ memories) differ per rank.  A file is written to a temporary name in the same di
 and ``os.replace``d into place, so a crash never leaves a half-written file under the
 real name.  Ranks cannot replace their files together, so file names carry the step and
 ``ckpt/latest.json`` (also replaced atomically, by rank 0, once every rank has saved)
-names the newest complete sets, newest first: the last :data:`KEEP` steps are kept, and
-older files are deleted only after ``latest.json`` moved on.
+names the newest complete sets, newest first, with the number of ranks that wrote each
+(a resumed run may have another, see :mod:`flexcomm.train.resume`): the last :data:`KEEP`
+steps are kept, and older files are deleted only after ``latest.json`` moved on.
 
 A file is :data:`MAGIC`, the SHA-256 of the rest, then ``torch.save``'s bytes, so a
 file truncated or damaged after it was written (disk, copy, a full file system) is
@@ -27,6 +28,7 @@ import io
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -46,8 +48,8 @@ _HEADER = len(MAGIC) + hashlib.sha256().digest_size
 KEEP = 2
 
 log = logging.getLogger(__name__)
-#: Settings a checkpoint is tied to: another value would load state that does not fit
-#: (model, hook state, world size) or lose the run's place in the data order.
+#: Settings a checkpoint records; all but :data:`ELASTIC_KEYS` tie it: another value would
+#: load state that does not fit (model, hook state) or lose the run's place in the data order.
 RESUME_KEYS = (
     "model",
     "width",
@@ -61,6 +63,9 @@ RESUME_KEYS = (
     "seed",
     "powersgd_rank",
 )
+#: Recorded settings a resumed run may change: the number of ranks (the data partition is
+#: recomputed for it and the hook's state resized, see :mod:`flexcomm.train.resume`).
+ELASTIC_KEYS = ("nproc",)
 
 
 class CheckpointError(ValueError):
@@ -69,6 +74,9 @@ class CheckpointError(ValueError):
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR
+
+
+_RANK_FILE = re.compile(r"step\d+-rank(\d+)\.pt")
 
 
 def rank_file(run_dir: Path, rank: int, step: int) -> Path:
@@ -101,21 +109,29 @@ def _write_with_digest(f: IO[bytes], data: memoryview) -> None:
 def publish(run_dir: Path, cfg: TrainConfig, step: int) -> None:
     """Make ``step`` the newest complete set; call once every rank's file for it exists."""
     path = checkpoint_dir(run_dir) / LATEST_FILE
-    previous = read_latest(run_dir)["steps"] if path.exists() else []
-    steps = [step, *(s for s in previous if s != step)][:KEEP]
-    latest = {"format": FORMAT, "step": step, "steps": steps, "config": tied_settings(cfg)}
+    previous = read_latest(run_dir) if path.exists() else {"steps": [], "nproc": []}
+    older = [(s, n) for s, n in zip(previous["steps"], previous["nproc"]) if s != step]
+    steps, nproc = zip(*[(step, cfg.nproc), *older][:KEEP])
+    latest = {"format": FORMAT, "step": step, "steps": list(steps), "nproc": list(nproc), "config": tied_settings(cfg)}
     _atomic_write(path, lambda f: f.write(json.dumps(latest, indent=2).encode()))
 
 
-def prune(run_dir: Path, rank: int) -> None:
-    """Delete this rank's files of steps ``latest.json`` no longer lists; only after :func:`publish`."""
-    keep = {rank_file(run_dir, rank, step).name for step in read_latest(run_dir)["steps"]}
-    for path in checkpoint_dir(run_dir).glob(f"step*-rank{rank}.pt"):
-        if path.name not in keep:
+def prune(run_dir: Path, rank: int, world_size: int) -> None:
+    """Delete the files of steps ``latest.json`` no longer lists; only after :func:`publish`.
+
+    This rank deletes those of every rank ``j`` with ``j mod world_size == rank``: its own,
+    and those of ranks a resumed run no longer has (saved with more ranks).
+    """
+    latest = read_latest(run_dir)
+    keep = {rank_file(run_dir, r, step).name for step, nproc in zip(latest["steps"], latest["nproc"]) for r in range(nproc)}
+    for path in checkpoint_dir(run_dir).glob("step*-rank*.pt"):
+        match = _RANK_FILE.fullmatch(path.name)
+        if match and int(match.group(1)) % world_size == rank and path.name not in keep:
             path.unlink(missing_ok=True)
 
 
 def read_latest(run_dir: Path) -> dict[str, Any]:
+    """``latest.json``: ``steps`` (newest first) and ``nproc``, the ranks that wrote each set."""
     path = checkpoint_dir(run_dir) / LATEST_FILE
     if not path.exists():
         raise CheckpointError(
@@ -126,13 +142,17 @@ def read_latest(run_dir: Path) -> dict[str, Any]:
         latest = json.loads(path.read_text())
         fmt = latest.get("format")
         steps = [int(s) for s in latest["steps"]] if fmt == FORMAT else []
+        # Written before runs could change their rank count: every set has the config's.
+        nproc = [int(n) for n in latest.get("nproc", [latest["config"]["nproc"]] * len(steps))]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"cannot resume: {path} is corrupt ({exc})") from None
     if fmt != FORMAT:
         raise CheckpointError(f"cannot resume: {path} has format {fmt!r}, expected {FORMAT}")
     if not steps:
         raise CheckpointError(f"cannot resume: {path} lists no checkpoint")
-    latest["step"], latest["steps"] = steps[0], steps
+    if len(nproc) != len(steps):
+        raise CheckpointError(f"cannot resume: {path} is corrupt (it lists {len(steps)} steps but {len(nproc)} rank counts)")
+    latest["step"], latest["steps"], latest["nproc"] = steps[0], steps, nproc
     return latest
 
 
@@ -161,12 +181,12 @@ def load_rank(run_dir: Path, rank: int, step: int, map_location: str | torch.dev
 
 
 def check_compatible(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
-    """Refuse a checkpoint written with other :data:`RESUME_KEYS` settings, naming each one."""
+    """Refuse a checkpoint written with other :data:`RESUME_KEYS` settings (bar :data:`ELASTIC_KEYS`), naming each one."""
     mine = tied_settings(cfg)
     diffs = [
         f"--{key.replace('_', '-')} {saved.get(key)!r} (this run: {mine[key]!r})"
         for key in RESUME_KEYS
-        if saved.get(key) != mine[key]
+        if key not in ELASTIC_KEYS and saved.get(key) != mine[key]
     ]
     if diffs:
         raise CheckpointError(f"cannot resume from {where}: the checkpoint was written with " + ", ".join(diffs))
@@ -181,9 +201,9 @@ def validate_resume(run_dir: Path, cfg: TrainConfig) -> int:
     where = checkpoint_dir(run_dir)
     check_compatible(latest["config"], cfg, where)
     problems = []
-    for step in latest["steps"]:
+    for step, nproc in zip(latest["steps"], latest["nproc"]):
         try:
-            settings = [load_rank(run_dir, rank, step)["meta"]["config"] for rank in range(cfg.nproc)]
+            settings = [load_rank(run_dir, rank, step)["meta"]["config"] for rank in range(nproc)]
         except CheckpointError as exc:
             problems.append(str(exc))
             log.warning("%s; trying the previous checkpoint", exc)

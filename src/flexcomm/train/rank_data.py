@@ -4,7 +4,8 @@ Everything here is a pure function of the :class:`~flexcomm.train.config.TrainCo
 and the rank, so that (a) the launcher can check the data before any rank starts and
 (b) a resumed run finds its place in the data order from the step number alone:
 rank r's batch at step s is ``batch_indices(...)`` of ``(seed, epoch, r)``, whatever
-happened before.
+happened before.  A run resumed on another rank count has another partition: its
+:class:`DataClock` starts a fresh epoch at the resume step.
 """
 
 from __future__ import annotations
@@ -135,15 +136,32 @@ def steps_per_epoch(parts: list[np.ndarray], batch_size: int) -> int:
     return len(parts[smallest]) // batch_size
 
 
-def batch_indices(part_size: int, step: int, per_epoch: int, batch_size: int, seed: int, rank: int) -> np.ndarray:
-    """Positions within rank ``rank``'s partition of its batch at ``step``.
+@dataclass(frozen=True)
+class DataClock:
+    """Where a step falls in the data order: epochs of ``per_epoch`` steps counted from an origin.
+
+    The origin is step 0, epoch 0, until a run resumes on another rank count; then it is
+    the resume step and a new epoch (see :mod:`flexcomm.train.resume`).
+    """
+
+    per_epoch: int
+    origin_step: int = 0
+    origin_epoch: int = 0
+
+    def position(self, step: int) -> tuple[int, int]:
+        """``(epoch, batch within the epoch)`` of ``step``."""
+        epoch, batch = divmod(step - self.origin_step, self.per_epoch)
+        return self.origin_epoch + epoch, batch
+
+
+def batch_indices(part_size: int, epoch: int, batch: int, batch_size: int, seed: int, rank: int) -> np.ndarray:
+    """Positions within rank ``rank``'s partition of its ``batch``-th batch of ``epoch``.
 
     Each epoch is a fresh permutation drawn from ``(seed, epoch, rank)``, so the order
     is reproducible and needs no state beyond the step.
     """
-    epoch, position = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch, rank]).permutation(part_size)
-    return order[position * batch_size : (position + 1) * batch_size]
+    return order[batch * batch_size : (batch + 1) * batch_size]
 
 
 def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> list[list[int]]:

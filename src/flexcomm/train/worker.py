@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from time import perf_counter
@@ -36,13 +36,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from flexcomm.rendezvous import init_process_group
-from flexcomm.train import checkpoint
+from flexcomm.train import checkpoint, resume
 from flexcomm.train.baselines import bucket_cap_mb
 from flexcomm.train.config import TrainConfig
 from flexcomm.train.devices import choose_device
 from flexcomm.train.timed_hook import StepComm, TimedHook
 from flexcomm.train.rank_data import (
     Arrays,
+    DataClock,
     batch_indices,
     label_histograms,
     load_arrays,
@@ -140,10 +141,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, me: Identity) -> None:
         if cfg.steps is None:
             raise ValueError("config.json has no resolved step count; start runs with flexcomm-train")
+        # torchrun --nnodes MIN:MAX may start another rank count than config.json's: partition for this one.
+        cfg = replace(cfg, nproc=me.world_size)
         self.cfg, self.run_dir, self.me = cfg, run_dir, me
         self.arrays: Arrays = load_arrays(cfg)
         self.parts = partitions(self.arrays.train_y, cfg)
         self.per_epoch = steps_per_epoch(self.parts, cfg.batch_size)
+        self.clock = DataClock(self.per_epoch)
         self.data = rank_tensors(self.arrays, self.parts[me.rank], me.rank, me.world_size, me.device)
         torch.manual_seed(cfg.seed)  # the same initial model on every rank
         arrays = self.arrays
@@ -162,59 +166,33 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------
     def _restore(self) -> tuple[int, float]:
-        """Load this rank's newest checkpoint; return (step to continue from, wall time so far)."""
-        step, payload = self._load_newest_usable()
-        checkpoint.check_compatible(payload["meta"]["config"], self.cfg, checkpoint.checkpoint_dir(self.run_dir))
-        if payload["data_order"]["steps_per_epoch"] != self.per_epoch:
-            raise checkpoint.CheckpointError(
-                f"cannot resume: the checkpoint's data had {payload['data_order']['steps_per_epoch']} steps per epoch, "
-                f"this run's has {self.per_epoch} (did the data set change?)"
-            )
-        self.ddp.module.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.hook.load_state_dict(payload["comm"])
-        torch.set_rng_state(payload["rng"]["torch"].cpu())
-        if payload["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(payload["rng"]["cuda"].cpu(), self.me.device)
-        return step, float(payload["elapsed"])
-
-    def _load_newest_usable(self) -> tuple[int, dict[str, Any]]:
-        """This rank's file of the newest checkpoint set that every rank can load.
-
-        A damaged file on any rank (truncated, corrupt) makes every rank fall back to the
-        previous set: the ranks agree with one allreduce (MIN) per set tried.
-        """
-        problems = []
-        for step in checkpoint.read_latest(self.run_dir)["steps"]:
-            try:
-                payload: dict[str, Any] | None = checkpoint.load_rank(
-                    self.run_dir, self.me.rank, step, map_location=self.me.device
-                )
-            except checkpoint.CheckpointError as exc:
-                payload = None
-                problems.append(str(exc))
-                log.warning("rank %d: %s", self.me.rank, exc)
-            usable = torch.tensor([payload is not None], dtype=torch.int32, device=self.me.device)
-            dist.all_reduce(usable, op=dist.ReduceOp.MIN)
-            if usable.item() and payload is not None:
-                return step, payload
-            log.warning("rank %d: the checkpoint at step %d is damaged on a rank; trying the previous one",
-                        self.me.rank, step)
-        raise checkpoint.CheckpointError(
-            checkpoint.no_usable_checkpoint(checkpoint.checkpoint_dir(self.run_dir), problems or ["(on another rank)"])
-        )
+        """Load this rank's newest checkpoint (saved on any rank count); return (step to continue from, wall time so far)."""
+        me = self.me
+        saved = resume.load_newest_usable(self.run_dir, me.rank, me.world_size, me.device)
+        checkpoint.check_compatible(saved.own["meta"]["config"], self.cfg, checkpoint.checkpoint_dir(self.run_dir))
+        resume.check_data_order(saved, self.arrays.train_y, self.cfg, self.per_epoch)
+        self.ddp.module.load_state_dict(saved.own["model"])
+        self.optimizer.load_state_dict(saved.own["optimizer"])
+        resume.load_comm(self.hook, saved, me.rank, me.world_size)
+        self.clock = resume.data_clock(saved, self.per_epoch, me.world_size)
+        if saved.is_own(me.rank):  # a new rank keeps the seed it started with: its draws are its own
+            torch.set_rng_state(saved.own["rng"]["torch"].cpu())
+            if saved.own["rng"]["cuda"] is not None:
+                torch.cuda.set_rng_state(saved.own["rng"]["cuda"].cpu(), me.device)
+        return saved.step, float(saved.own["elapsed"])
 
     def _save(self, steps_done: int, elapsed: float) -> None:
         """Every rank saves its file; rank 0 publishes the set once all exist; then old files go."""
         cuda = self.me.device.type == "cuda"
+        epoch, batch = self.clock.position(steps_done)
         state = {
             "model": self.ddp.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "comm": self.hook.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(self.me.device) if cuda else None},
-            # The order itself is a function of (seed, epoch, rank); the position is the step.
-            "data_order": {"steps_per_epoch": self.per_epoch, "epoch": steps_done // self.per_epoch,
-                           "batch": steps_done % self.per_epoch},
+            # The order itself is a function of (seed, epoch, rank); the position follows from the step.
+            "data_order": {"steps_per_epoch": self.per_epoch, "epoch": epoch, "batch": batch,
+                           "origin": [self.clock.origin_step, self.clock.origin_epoch]},
             "elapsed": elapsed,
         }
         checkpoint.save_rank(self.run_dir, self.cfg, self.me.rank, steps_done, state)
@@ -222,7 +200,7 @@ class Trainer:
         if self.me.rank == 0:
             checkpoint.publish(self.run_dir, self.cfg, steps_done)
         self._barrier()
-        checkpoint.prune(self.run_dir, self.me.rank)
+        checkpoint.prune(self.run_dir, self.me.rank, self.me.world_size)
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> None:
@@ -264,7 +242,8 @@ class Trainer:
     def _train_step(self, step: int) -> dict[str, Any]:
         started = perf_counter()
         cfg = self.cfg
-        positions = batch_indices(len(self.data.train_y), step, self.per_epoch, cfg.batch_size, cfg.seed, self.me.rank)
+        epoch, batch = self.clock.position(step)
+        positions = batch_indices(len(self.data.train_y), epoch, batch, cfg.batch_size, cfg.seed, self.me.rank)
         index = torch.from_numpy(positions).to(self.me.device)
         x, y = self.data.train_x[index], self.data.train_y[index]
         self.hook.begin_step()
@@ -279,7 +258,7 @@ class Trainer:
         finished = self._now()
         return {
             "step": step,
-            "epoch": step // self.per_epoch,
+            "epoch": epoch,
             "loss": loss.item(),
             "t_step": finished - started,
             "t_compute": backward_end - computing,

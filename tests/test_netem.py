@@ -222,7 +222,7 @@ def test_format_rate_whole_bits() -> None:
 
 
 def test_tbf_burst_scales_with_rate() -> None:
-    assert tbf_burst_bytes(10e6) == 32 * 1024  # floor: >= one GSO-ish chunk
+    assert tbf_burst_bytes(10e6) == tbf_burst_bytes(100e6) == 80_000  # floor: a whole 64 KiB GSO packet fits at every rate
     assert tbf_burst_bytes(1e9) == 250_000  # ~256 kB measured accurate at 1 Gbit
     assert tbf_burst_bytes(10e9) == 2_500_000
     assert tbf_args(1e9) == ["tbf", "rate", "1000000000bit", "burst", "250000", "latency", "50ms"]

@@ -39,9 +39,12 @@ TBF_LATENCY_MS = 50
 #: relative to a transfer at any rate (2 ms at 1 Gbit = 250 kB, close to the
 #: 256 kB measured as accurate on this machine).
 _BURST_SECONDS = 0.002
-#: ...but never below 32 KiB: tbf must hold at least one MTU-sized packet, and
-#: a tiny bucket at low rates makes tbf split every 64 KiB GSO packet.
-_MIN_BURST_BYTES = 32 * 1024
+#: ...but never below a whole 64 KiB GSO packet plus the per-segment headers tbf counts.
+#: tbf splits a packet larger than its bucket only when it is enqueued: one queued at a
+#: high rate (large bucket) and still queued when a schedule lowers the rate to a bucket
+#: smaller than itself can never be sent, and the link stalls for good (seen at 1 Gbit ->
+#: 100 Mbit with a 32 KiB bucket: 338 packets stuck, gloo waiting in TCP back-off).
+_MIN_BURST_BYTES = 80_000
 
 
 class NetemUnavailable(RuntimeError):

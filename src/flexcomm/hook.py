@@ -54,7 +54,8 @@ _NOT_WRAPPED = (
     "flexcomm.register needs a torch.nn.parallel.DistributedDataParallel model, got {kind}: call it after the "
     "model is wrapped in DDP (plain PyTorch: flexcomm.register(DDP(model), ...); Lightning: use "
     "flexcomm.lightning.FlexCommStrategy instead of calling register; Accelerate: call "
-    "flexcomm.accelerate.register(accelerator, model, ...) after accelerator.prepare)"
+    "flexcomm.accelerate.register(accelerator, model, ...) after accelerator.prepare; Transformers' Trainer: call "
+    "flexcomm.transformers.register(trainer, ...) after building the Trainer, before trainer.train())"
 )
 
 

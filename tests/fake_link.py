@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from flexcomm.comm import PendingFloats
 from flexcomm.compress import TopkWorkspace, k_for
 from flexcomm.control import DensityController, StepPlanner
 from flexcomm.cost import CostParams, LinkParams, Observation, collective_time, predict_exchange_times
@@ -39,7 +40,7 @@ class FakeLink:
         select: seconds of a sparse exchange's selection.
         extra: seconds a step at a density spends beyond what the planner's model sees.
         identity: the agreement allreduces are identities (one process); else the real
-            ``allreduce_floats`` runs (ranks of a real group).
+            ``allreduce_floats_async`` runs (ranks of a real group).
         jitter: seconds added to every third step's compute (ranks measuring different times).
     """
 
@@ -58,11 +59,8 @@ class FakeLink:
         patch(planner, "probe_collectives", lambda sizes, group: self.probe(sizes))
         patch(StepPlanner, "world_size", property(lambda _: WORLD))
         if identity:
-            for name in ("flexcomm.control.planner", "flexcomm.control.measurements"):
-                try:
-                    patch(importlib.import_module(name), "allreduce_floats", lambda values, group, op: list(values))
-                except ImportError:  # a module this version of the planner does not have
-                    pass
+            patch(importlib.import_module("flexcomm.control.agreement_point"), "allreduce_floats_async",
+                  lambda values, group, op: PendingFloats.completed(values))
 
     @property
     def params(self) -> CostParams:
@@ -94,6 +92,7 @@ class FakeLink:
         block = 0.0 if dense else _tick(self.select)
         self.clock += block + comm
         planner.observe_exchange(step, 0, Observation(kind, nbytes, WORLD, comm), None if dense else block)
+        planner.end_step(step)  # as the state does once the step's last exchange is issued
         self.clock += _tick(0.2 * self.compute + self.extra.get(plan.density, 0.0))
         return plan.density, plan.exchange
 

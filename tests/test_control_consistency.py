@@ -136,12 +136,13 @@ def _uneven_samples(rank: int, world: int) -> dict:
         # Rank 1 misses step 2's exchange (a step that failed there): it holds fewer samples.
         if not (rank == 1 and step == 2):
             planner.observe_exchange(step, 0, Observation("allgather", 8000, world, 0.001 * (rank + 1)), 0.002)
+        planner.end_step(step)
     return planner.chooser.state_dict()
 
 
 def test_ranks_holding_different_numbers_of_samples_agree_on_the_same_measurements() -> None:
-    # Agreement at step 4: rank 0 holds samples of steps 2 and 3, rank 1 only of step 3.  The
-    # allreduce was as long as each rank's own samples: different lengths on the two ranks.
+    # Agreement at step 4 (issued at step 3's end): rank 0 holds samples of steps 1 and 2, rank 1
+    # only of step 1.  The allreduce was as long as each rank's own samples: different lengths.
     results = run_world(_uneven_samples, 2, timeout_s=20.0)
     assert results[0] == results[1]
 

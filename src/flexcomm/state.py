@@ -16,13 +16,18 @@ compressor     selector    leader policy   exchange
 STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
 
 The step protocol, per DDP bucket.  On the autograd thread, :meth:`FlexState.hand_over`
-only notes the bucket (its step; the last bucket advances the step) and the hook queues
-it on the state's :class:`~flexcomm.comm.Dispatcher`.  On the dispatcher's thread, in
-bucket order, :meth:`FlexState.prepare`: at the first bucket ever, every rank compares a
-configuration fingerprint; at a step's first bucket the previous step is settled (its
-device-side statistics read in one transfer) and the planner's agreement points run;
+only notes the bucket (its step, whether it opens or closes the step; the last bucket
+advances the step) and the hook queues it on the state's :class:`~flexcomm.comm.Dispatcher`.
+On the dispatcher's thread, in bucket order, :meth:`FlexState.prepare`: at the first bucket
+ever, every rank compares a configuration fingerprint; at a step's first bucket the
+previous step is settled (its device-side statistics read in one transfer) and the planner
+begins the step (a due probe; at an agreement point it reads the agreement and decides);
 then the bucket is planned (exchange, density), compensated (``a_i = g_i + e_i``) and
-handed to its exchange as a :class:`~flexcomm.exchange.BucketJob`.
+handed to its exchange as a :class:`~flexcomm.exchange.BucketJob`.  At the step's last
+bucket ``prepare`` also queues the step's end behind that bucket's exchange, where the
+planner issues the next agreement point's allreduces asynchronously: they travel during
+the optimizer step and the next forward, not before the next step's first exchange
+(:mod:`flexcomm.control.agreement_point`).  :meth:`FlexState.state_dict` waits for them.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from flexcomm import elastic
-from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, mark_ready
+from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, exchange_context, mark_ready
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.stats import to_host
@@ -47,6 +53,7 @@ from flexcomm.cost import Observation
 from flexcomm.exchange import BucketJob, LeaderPolicy, make_leader_policy
 from flexcomm.exchange.job import BucketRecord, DeviceOutcome, apply_timings
 from flexcomm.exchange.leaders import STATISTICS
+from flexcomm.validation import check_choice, check_fraction, check_int
 from flexcomm.version import __version__
 
 _STATE_FORMAT = 2
@@ -75,14 +82,15 @@ VAR_STATISTICS = STATISTICS
 
 @dataclass(frozen=True)
 class HandedBucket:
-    """A bucket as DDP handed it over: its buffer, index, layout, step, whether it opens the step,
-    and (CUDA) the event after which its buffer is written."""
+    """A bucket as DDP handed it over: its buffer, index, layout, step, whether it opens and whether
+    it closes the step (DDP's last bucket), and (CUDA) the event after which its buffer is written."""
 
     grad: torch.Tensor
     index: int
     layout: Layout
     step: int
     opens_step: bool
+    closes_step: bool
     ready: torch.cuda.Event | None = None
 
 
@@ -103,18 +111,18 @@ class FlexOptions:
     max_records: int = 100_000
 
     def __post_init__(self) -> None:
-        _check_choice("compressor", self.compressor, COMPRESSORS)
+        check_choice("compressor", self.compressor, COMPRESSORS)
         if self.density != "auto":
-            _check_fraction("density", self.density, low_open=True, high_open=False, extra=" or 'auto'")
+            check_fraction("density", self.density, low_open=True, high_open=False, extra=" or 'auto'")
         for name, minimum in (("warmup_steps", 0), ("mstopk_rounds", 1), ("flex_interval", 1), ("probe_every", 1), ("max_records", 1)):
-            _check_int(name, getattr(self, name), minimum)
-        _check_choice("var_statistic", self.var_statistic, VAR_STATISTICS)
-        _check_fraction("var_smoothing", self.var_smoothing, low_open=False, high_open=True)
+            check_int(name, getattr(self, name), minimum)
+        check_choice("var_statistic", self.var_statistic, VAR_STATISTICS)
+        check_fraction("var_smoothing", self.var_smoothing, low_open=False, high_open=True)
         sizes = self.probe_sizes
         if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 4 for b in sizes):
             raise ValueError(f"probe_sizes must be a non-empty sequence of ints >= 4 (bytes), got {sizes!r}")
         object.__setattr__(self, "probe_sizes", tuple(sizes))
-        _check_fraction("forgetting", self.forgetting, low_open=True, high_open=False)
+        check_fraction("forgetting", self.forgetting, low_open=True, high_open=False)
 
     @property
     def roles(self) -> Compressor:
@@ -185,6 +193,8 @@ class FlexState:
         self._in_step = False
         self._config_checked = False
         self._param_names: dict[int, str] | None = None
+        # The task that ends the latest step on the dispatcher (see prepare()), until it is awaited.
+        self._step_end: torch.futures.Future | None = None
         # Records whose device-side outcome is not read yet (see settle()).
         self._unsettled: list[tuple[BucketRecord, DeviceOutcome]] = []
         self._settle_lock = threading.Lock()
@@ -244,6 +254,7 @@ class FlexState:
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals, counters and smoothed statistics of this rank, for a checkpoint."""
+        self._await_step_end()
         self.settle()
         return {
             "format": _STATE_FORMAT,
@@ -278,6 +289,7 @@ class FlexState:
             return
         if departed_states:
             raise ValueError("departed_states only apply to a state saved at another world size")
+        self._await_step_end()  # the step's end must not issue an agreement from the state replaced here
         if state["rank"] != self.rank:
             raise ValueError(
                 f"this FlexState checkpoint belongs to rank {state['rank']} of {state['world_size']}, but it is being "
@@ -320,10 +332,10 @@ class FlexState:
 
     def hand_over(self, bucket: dist.GradBucket) -> HandedBucket:
         """Note a bucket DDP handed over (autograd thread): no collective, no tensor work (on a GPU, one event)."""
-        grad = bucket.buffer()
-        handed = HandedBucket(grad, bucket.index(), self._layout(bucket), self.step, not self._in_step, mark_ready(grad))
+        grad, last = bucket.buffer(), bucket.is_last()
+        handed = HandedBucket(grad, bucket.index(), self._layout(bucket), self.step, not self._in_step, last, mark_ready(grad))
         self._in_step = True
-        self.advance(bucket.is_last())
+        self.advance(last)
         return handed
 
     def prepare(self, handed: HandedBucket) -> BucketJob:
@@ -353,11 +365,29 @@ class FlexState:
         outcome = DeviceOutcome()
         self.records.append(record)
         self._unsettled.append((record, outcome))
+        if handed.closes_step and self.planner.estimating:
+            # Queued from the dispatcher thread while it runs this bucket: it runs right after
+            # this bucket's exchange is issued, before any bucket of the next step.
+            self._step_end = self.dispatcher.submit(partial(self._end_step, handed))
         return BucketJob(
             grad=grad, accumulated=accumulated, index=index, layout=handed.layout, k=k, step=step,
             group=self.process_group, world_size=self.world_size, rank=self.rank, memory=memory, workspace=workspace,
             record=record, outcome=outcome, measured=self._measured, selector=self.selector, leaders=self.leaders,
         )
+
+    def _end_step(self, handed: HandedBucket) -> torch.futures.Future[None]:
+        """The dispatcher task after a step's last exchange: the planner issues the next agreement."""
+        with exchange_context(handed.grad.device, None, self.streams):  # the control tensors' device
+            self.planner.end_step(handed.step)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _await_step_end(self) -> None:
+        """Wait until the latest step's end ran on the dispatcher (re-raising its error)."""
+        if self._step_end is not None:
+            self._step_end.wait()
+            self._step_end = None
 
     def settle(self) -> None:
         """Read the finished buckets' device-side outcomes in one transfer and apply them.
@@ -398,30 +428,3 @@ class FlexState:
         if self._param_names is None:
             return tuple((str(tuple(p.shape)), p.numel()) for p in params)
         return tuple((self._param_names[id(p)], p.numel()) for p in params)
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-
-
-def _check_fraction(name: str, value: object, low_open: bool, high_open: bool, extra: str = "") -> None:
-    """``value`` in the unit interval, each end open or closed as said."""
-    _check_number(name, value)
-    low_ok = value > 0.0 if low_open else value >= 0.0
-    high_ok = value < 1.0 if high_open else value <= 1.0
-    if not (low_ok and high_ok):
-        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
-        raise ValueError(f"{name} must be in {interval}{extra}, got {value}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

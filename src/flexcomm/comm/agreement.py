@@ -8,7 +8,10 @@ taken only from inputs every rank holds identically, and these functions produce
 * :func:`agree_on_config` compares every rank's configuration fingerprint once, at the
   first bucket, and raises on every rank naming the difference;
 * :func:`allreduce_floats` combines a list of floats element-wise over ranks (sum of gain
-  energies, min or max of measured times) so that every rank gets the same list.
+  energies, min or max of measured times) so that every rank gets the same list;
+  :func:`allreduce_floats_async` issues the same allreduce and returns at once, so that a
+  decision's inputs can travel while the step computes (issue it on the hook's dispatcher
+  thread, and never wait for it inside a future's callback).
 """
 
 from __future__ import annotations
@@ -21,11 +24,37 @@ import torch.distributed as dist
 from flexcomm.comm.collectives import control_device
 
 
+class PendingFloats:
+    """An issued :func:`allreduce_floats_async`: :meth:`values` waits for it (once) and keeps the list."""
+
+    def __init__(self, combined: torch.Tensor | None, work: dist.Work | None, values: list[float] | None = None) -> None:
+        self._combined, self._work, self._values = combined, work, values
+
+    @classmethod
+    def completed(cls, values: Sequence[float]) -> PendingFloats:
+        """An agreement whose result is already known (restored from a checkpoint)."""
+        return cls(None, None, [float(v) for v in values])
+
+    def values(self) -> list[float]:
+        """The combined list, the same on every rank; waits for the collective the first time."""
+        if self._values is None:
+            assert self._work is not None and self._combined is not None
+            self._work.wait()
+            self._values = self._combined.tolist()
+            self._combined = self._work = None
+        return self._values
+
+
+def allreduce_floats_async(values: Sequence[float], group: dist.ProcessGroup | None, op: dist.ReduceOp) -> PendingFloats:
+    """Issue the element-wise ``op`` (SUM, MIN or MAX) of every rank's list, in fp64; read it later."""
+    combined = torch.tensor(list(values), dtype=torch.float64, device=control_device(group))
+    work = dist.all_reduce(combined, op=op, group=group, async_op=True)
+    return PendingFloats(combined, work)
+
+
 def allreduce_floats(values: Sequence[float], group: dist.ProcessGroup | None, op: dist.ReduceOp) -> list[float]:
     """Element-wise ``op`` (SUM, MIN or MAX) of every rank's list, in fp64; the same list on all ranks."""
-    combined = torch.tensor(list(values), dtype=torch.float64, device=control_device(group))
-    dist.all_reduce(combined, op=op, group=group)
-    return combined.tolist()
+    return allreduce_floats_async(values, group, op).values()
 
 
 def agree_on_config(fingerprint: dict[str, object], group: dist.ProcessGroup | None) -> None:

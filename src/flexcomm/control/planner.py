@@ -3,15 +3,24 @@
 :class:`StepPlanner` is all that the state asks about decisions.  The state calls, on
 every rank in the same order:
 
-``begin_step(step)``        at a step's first bucket, before any of its exchanges; the
-                            agreement points (probes, agreed measurements, the density
-                            decision) happen here and may issue small collectives;
+``begin_step(step)``        at a step's first bucket, before any of its exchanges: the
+                            finished step is closed, a due probe runs, and at an
+                            agreement point the agreed values are read and the
+                            decisions taken (exchange plan, density);
 ``plan(bucket, numel, value_bytes, step) -> Plan``
                             the exchange, density and predicted time of one bucket;
 ``measuring_gain`` / ``observe_gain(bucket, a, workspace)``
                             the gain curve of ``density="auto"`` at measurement steps;
 ``observe_exchange(step, bucket, observation, t_compress)``
-                            a finished exchange's timings, agreed at the next agreement point.
+                            a finished exchange's timings, agreed at a later agreement point;
+``end_step(step)``          right after the step's last bucket's exchange was issued: the
+                            next step's agreement collectives, if it is an agreement point,
+                            are issued asynchronously (:mod:`flexcomm.control.agreement_point`).
+
+So at an agreement point nothing stands between the first bucket's work and its exchange
+but the wait for an allreduce issued one optimizer step, forward and backward earlier.
+Probes (at start and every ``probe_every`` steps) still run at the step's first bucket: they
+time a quiet link, and at the previous step's end its last exchanges still use it.
 
 Every decision is a deterministic function of the step counter and of values every rank
 received in the same collective, so every rank decides alike:
@@ -23,23 +32,27 @@ received in the same collective, so every rank decides alike:
   at start and every ``probe_every`` steps and from the collectives' own times, and each
   bucket exchange's agreed measurements (:mod:`flexcomm.control.step_log`), all agreed
   across ranks every ``flex_interval`` steps (and at steps 1, 2, 4, ... before the first
-  of them, so the model is calibrated early); the plan changes only then, and one bucket
-  every few steps tries an alternative the model rates close (exploration by step counter).
+  of them, so the model is calibrated early) over the steps up to two before the agreement
+  point (the step just before is still exchanging when the agreement is issued); the plan
+  changes only then, and one bucket every few steps tries an alternative the model rates
+  close (exploration by step counter).
 * ``density="auto"``: the :class:`~flexcomm.control.density.DensityController` decides once
   per agreement point, never between them, on the gains and times agreed there.  The gain
   curve (one top-k pass per bucket over the candidates, summed over buckets and ranks by one
   allreduce of fixed length) is measured at the step before an agreement point, at least
   ``measure_every`` steps after the last one, so the decision sees it fresh (the first at
   step 0, for the decision at step 1).  Each candidate's step time comes from step periods
-  measured at that same density where there are any (:mod:`flexcomm.control.periods`).
+  measured at that same density where there are any (:mod:`flexcomm.control.periods`); a
+  step's period, from its first bucket to the next step's, is closed at that next step.
   Whenever the density changes the exchange plan is made again for it.
 * the first ``warmup_steps`` steps, and density 1.0 under ``auto``, are dense.
 
 Collectives: whether the measurement allreduce runs, and its length, follow from the step
 counter and the exchanges every rank planned, never from rank-local samples
 (:mod:`flexcomm.control.measurements`).  :meth:`StepPlanner.state_dict` holds everything a
-later decision reads (unagreed samples and periods, the open step, the gain curve), so a
-resumed run decides as the uninterrupted one.
+later decision reads (unagreed samples and periods, the open step, the gain curve, and the
+values of an agreement issued but not yet read, waiting for them), so a resumed run decides
+as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -55,12 +68,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import allreduce_floats, probe_collectives
+from flexcomm.comm import probe_collectives
 from flexcomm.compress import TopkWorkspace
 from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control.density import DensityController
 from flexcomm.control.exchange import ExchangeChooser, StepSample
-from flexcomm.control.measurements import AgreedSample, agree_on_samples
+from flexcomm.control.agreement_point import AgreementPoint
+from flexcomm.control.measurements import AgreedSample
 from flexcomm.control.periods import StepPeriods
 from flexcomm.control.step_log import LocalSample, StepLog, sample_from_row, sample_row
 from flexcomm.cost import CostEstimator, Observation
@@ -137,6 +151,8 @@ class StepPlanner:
         self._gains_at: int | None = None
         # (period, simulated) agreed at this agreement point per density, for the density decision.
         self._new_periods: dict[float, tuple[float, float]] = {}
+        # The next agreement point's collectives, issued at the end of the step before it.
+        self._agreement: AgreementPoint | None = None
 
     @property
     def density(self) -> float:
@@ -153,25 +169,27 @@ class StepPlanner:
         return dist.get_world_size(self.group)
 
     def begin_step(self, step: int) -> None:
-        """The agreement points of a step, at its first bucket, when no exchange is in flight."""
+        """A step's first bucket, when none of its exchanges is issued: probe, read the agreement, decide."""
         if not self.estimating:
             return
         self._close_step()
+        agreement, self._agreement = self._agreement, None
         learned = False
         if self.probed_at is None or step - self.probed_at >= self.probe_every:
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
             self.probed_at = step
             learned = True
-        agrees = self._agrees_at(step)
-        if agrees and self._expected:  # the same on every rank: planned exchanges, not local samples
-            self._agree_on_measurements()
+        measured = agreement.measured() if agreement else None  # waits: issued at the previous step's end
+        if measured is not None:
+            self._observe_measurements(*measured)
             learned = True
         if learned:
             self.chooser.refresh()
         if self.controller:
-            if self._gain_energy is not None:
-                self._agree_on_gains(step)
-            if agrees:
+            energy = agreement.gain_energy() if agreement else None
+            if energy is not None:
+                self._observe_gains(step, energy)
+            if self._agrees_at(step):
                 self._update_density(step)  # the one decision of this agreement point
             self.measuring_gain = self._agrees_at(step + 1) and self.controller.measure_due(step + 1, self._gains_at)
         if learned or self.chooser.plan_density != self.density:
@@ -179,6 +197,25 @@ class StepPlanner:
             if self.controller:
                 simulated = self.chooser.step_seconds(self.density, self.world_size, self.exchange)
                 self._simulated = simulated if math.isfinite(simulated) else 0.0
+
+    def end_step(self, step: int) -> None:
+        """The step's last bucket's exchange was issued: issue the next step's agreement, if it is an agreement point.
+
+        Measurements are due when the next step agrees and some exchange was closed since the
+        last agreement (planned exchanges, the same on every rank); the gain curve when this
+        step measured one.  Called on every rank at the same place in the dispatcher's order.
+        """
+        if not self.estimating:
+            return
+        measure = self._agrees_at(step + 1) and bool(self._expected)
+        if not measure and self._gain_energy is None:
+            return
+        periods = self._period_medians() if measure else None
+        self._agreement = AgreementPoint.issue(self._expected if measure else [], self._pending if measure else [],
+                                               periods, self._gain_energy, self.group)
+        if measure:
+            self._pending, self._expected, self._periods = [], [], []
+        self._gain_energy = None
 
     def _close_step(self) -> None:
         """Move the finished step's samples and period to the pending measurements."""
@@ -226,11 +263,8 @@ class StepPlanner:
         if self.estimating:
             self._log.finished(step, bucket_index, observation, t_compress or 0.0)
 
-    def _agree_on_gains(self, step: int) -> None:
-        """Agree on the gain curve measured at the previous step (sum over ranks)."""
-        assert self.controller is not None and self._gain_energy is not None
-        energy = allreduce_floats(self._gain_energy, self.group, dist.ReduceOp.SUM)
-        self._gain_energy = None
+    def _observe_gains(self, step: int, energy: Sequence[float]) -> None:
+        """The gain curve measured at the previous step, summed over ranks."""
         *kept, total = energy
         if not all(math.isfinite(e) for e in energy) or total <= 0.0:
             return  # a non-finite or all-zero step says nothing about the trade-off
@@ -257,22 +291,24 @@ class StepPlanner:
         if self._gains is not None:
             self.controller.update(step, self._gains, self.periods.predict(candidates, simulated))
 
-    def _agree_on_measurements(self) -> None:
-        """Feed every rank the same step samples and periods (see :mod:`flexcomm.control.measurements`).
+    def _period_medians(self) -> list[float]:
+        """This rank's period slots of the measurement allreduce, a fixed number (0: none).
 
-        Periods, combined by MAX (the slowest rank's; 0: none): the medians of all-dense steps and
-        of the others (the guard's); under ``auto`` also, per candidate density, the median period
-        of the steps run at it and the median of the simulated steps they ran under (the same on
-        every rank).
+        The medians of all-dense steps and of the others (the guard's); under ``auto`` also, per
+        candidate density, the median period of the steps run at it and the median of the
+        simulated steps they ran under (the same on every rank).  Combined by MAX: the slowest rank's.
         """
         candidates = self.controller.candidates if self.controller else ()
         periods = [_median([t for t, dense, _, _ in self._periods if dense]),
                    _median([t for t, dense, _, _ in self._periods if not dense])]
         periods += [_median([t for t, _, d, _ in self._periods if d == c]) for c in candidates]
         periods += [_median([sim for _, _, d, sim in self._periods if d == c]) for c in candidates]
-        agreed, (dense_period, other_period, *by_density) = agree_on_samples(
-            self._expected, self._pending, periods, self.group)
-        self._pending, self._expected, self._periods = [], [], []
+        return periods
+
+    def _observe_measurements(self, agreed: list[AgreedSample], periods: Sequence[float]) -> None:
+        """Feed the chooser the agreed step samples and periods, the same on every rank."""
+        candidates = self.controller.candidates if self.controller else ()
+        dense_period, other_period, *by_density = periods
         n = len(candidates)
         self._new_periods = {c: (t, sim) for c, t, sim in zip(candidates, by_density[:n], by_density[n:]) if t > 0.0}
         if not agreed:
@@ -314,6 +350,7 @@ class StepPlanner:
             "step_periods": [list(p) for p in self._periods],
             "simulated": self._simulated,
             "open_step": self._log.state_dict(),
+            "agreement": None if self._agreement is None else self._agreement.state_dict(),
             "since_begin": None if self._last_begin is None else perf_counter() - self._last_begin,
         }
 
@@ -332,6 +369,8 @@ class StepPlanner:
         self._periods = [(float(t), bool(dense), float(d), float(sim)) for t, dense, d, sim in state["step_periods"]]
         self._simulated = state["simulated"]
         self._log.load_state_dict(state["open_step"])
+        agreement = state.get("agreement")  # absent from states saved before agreements were issued early
+        self._agreement = None if agreement is None else AgreementPoint.from_state(agreement)
         since = state["since_begin"]
         self._last_begin = None if since is None else perf_counter() - since
 

@@ -103,12 +103,12 @@ def test_rule_picks_its_point_on_a_slow_network_and_dense_on_a_fast_one(rule: st
     assert settled(controller, GAINS, FAST, steps=20)[-1] == 1.0
 
 
-@pytest.mark.parametrize("rule,on_slow", [(None, 0.033), ("goodput", 0.1), ("near-fastest", 0.011)])
+@pytest.mark.parametrize("rule,on_slow", [(None, 0.1), ("tta", 0.033), ("near-fastest", 0.011)])
 def test_rule_follows_a_network_that_slows_down_and_recovers(rule: str | None, on_slow: float) -> None:
     slower = [4.0, 1.6, 1.2, 1.08, 1.02, 1.0]
-    settings = {} if rule is None else {"rule": rule}  # None: the default rule, tta
+    settings = {} if rule is None else {"rule": rule}  # None: the default rule, goodput
     controller = DensityController(CANDIDATES, measure_every=1, **settings)
-    assert controller.rule == (rule or "tta")
+    assert controller.rule == (rule or "goodput")
     densities = [controller.update(step, GAINS, seconds) for step, seconds in
                  enumerate([FAST] * 10 + [slower] * 10 + [FAST] * 10)]
     assert densities[9] == 1.0 and densities[19] == on_slow and densities[29] == 1.0
@@ -149,7 +149,7 @@ def test_warmup_and_ramp_bound_the_density() -> None:
 @pytest.mark.parametrize("kwargs,message", [
     ({"candidates": (1.0, 0.0)}, "candidates must be densities in"),
     ({"candidates": (0.1, 0.1)}, "candidates must be distinct"),
-    ({"rule": "best"}, "rule must be one of tta, goodput, near-fastest, asf, min-time, knee"),
+    ({"rule": "best"}, "rule must be one of goodput, tta, near-fastest, asf, min-time, knee"),
     ({"time_weight": 1.0}, "time_weight must be in"),
     ({"time_slack": -0.1}, "time_slack must be a number >= 0"),
     ({"measure_every": 0}, "measure_every must be an int >= 1"),
@@ -204,7 +204,7 @@ def test_tta_charges_what_error_feedback_sends_later_less_than_goodput() -> None
     # The 100 Mbit phase: dense 640 ms, density 0.033 74 ms (gain**2 0.30), 0.01 51 ms (gain**2 0.09).
     candidates, gains, seconds = (1.0, 0.033, 0.01), [1.0, 0.30 ** 0.5, 0.09 ** 0.5], [0.640, 0.074, 0.051]
     # tta: 0.640, 0.074 / 0.30**0.25 = 0.0999, 0.051 / 0.09**0.25 = 0.0931 -> 0.01, the faster step.
-    assert DensityController(candidates, measure_every=1).update(0, gains, seconds) == 0.01
+    assert DensityController(candidates, rule="tta", measure_every=1).update(0, gains, seconds) == 0.01
     # goodput charges 1 / gain**2 steps: 0.30 / 0.074 = 4.05 > 0.09 / 0.051 = 1.76 -> 0.033.
     assert DensityController(candidates, rule="goodput", measure_every=1).update(0, gains, seconds) == 0.033
 
@@ -212,7 +212,7 @@ def test_tta_charges_what_error_feedback_sends_later_less_than_goodput() -> None
 def test_tta_exponent_sets_how_much_a_low_gain_costs() -> None:
     candidates, gains, seconds = (1.0, 0.01), [1.0, 0.3], [0.100, 0.050]
     # p = 0.25: 0.050 / 0.3**0.5 = 0.091 < 0.100 -> sparse; p = 0.5: 0.050 / 0.3 = 0.167 -> dense.
-    assert DensityController(candidates, ef_exponent=0.25, measure_every=1).update(0, gains, seconds) == 0.01
-    assert DensityController(candidates, ef_exponent=0.5, measure_every=1).update(0, gains, seconds) == 1.0
+    assert DensityController(candidates, rule="tta", ef_exponent=0.25, measure_every=1).update(0, gains, seconds) == 0.01
+    assert DensityController(candidates, rule="tta", ef_exponent=0.5, measure_every=1).update(0, gains, seconds) == 1.0
     with pytest.raises(ValueError, match=r"ef_exponent must be a number in \(0, 1\], got 0"):
         DensityController(candidates, ef_exponent=0)

@@ -48,7 +48,7 @@ class TrainConfig:
     warmup_steps: int = 0
     auto_warmup: int = 0  # --density auto: the controller's warm-up, measurement interval and rule
     auto_every: int = 50
-    auto_rule: str = "tta"
+    auto_rule: str = "goodput"
     powersgd_rank: int | None = None
     nproc: int = 2
     net: str = "auto"

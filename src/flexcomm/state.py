@@ -1,19 +1,6 @@
 """FlexState: the options, the step protocol and the checkpoint state of the hook.
 
-One table (:data:`COMPRESSOR_TABLE`) maps every compressor name to its roles:
-
-=============  ==========  ==============  =========================================
-compressor     selector    leader policy   exchange
-=============  ==========  ==============  =========================================
-``dense``      --          --              ``dense``: allreduce of ``a_i``
-``agtopk``     ``topk``    --              ``agtopk``: allgather of (values, indices)
-``mstopk``     ``mstopk``  --              ``agtopk``
-``artopk-star``  ``topk``  ``round-robin``  ``artopk``: broadcast indices, allreduce values
-``artopk-var``   ``topk``  ``statistic``    ``artopk``
-``flex``       ``topk``    ``round-robin``  chosen per bucket by the cost model
-=============  ==========  ==============  =========================================
-
-STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
+The compressor table and the validated options live in :mod:`flexcomm.options`.
 
 The step protocol, per DDP bucket.  On the autograd thread, :meth:`FlexState.hand_over`
 only notes the bucket (its step, whether it opens or closes the step; the last bucket
@@ -52,32 +39,10 @@ from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
 from flexcomm.cost import Observation
 from flexcomm.exchange import BucketJob, LeaderPolicy, make_leader_policy
 from flexcomm.exchange.job import BucketRecord, DeviceOutcome, apply_timings
-from flexcomm.exchange.leaders import STATISTICS
-from flexcomm.validation import check_choice, check_fraction, check_int
+from flexcomm.options import FlexOptions
 from flexcomm.version import __version__
 
 _STATE_FORMAT = 2
-
-
-@dataclass(frozen=True)
-class Compressor:
-    """A compressor's roles: selector, leader policy, exchange (``None``: not used / chosen per bucket)."""
-
-    selector: str | None
-    leader: str | None
-    exchange: str | None
-
-
-COMPRESSOR_TABLE: dict[str, Compressor] = {
-    "dense": Compressor(selector=None, leader=None, exchange="dense"),
-    "agtopk": Compressor(selector="topk", leader=None, exchange="agtopk"),
-    "mstopk": Compressor(selector="mstopk", leader=None, exchange="agtopk"),
-    "artopk-star": Compressor(selector="topk", leader="round-robin", exchange="artopk"),
-    "artopk-var": Compressor(selector="topk", leader="statistic", exchange="artopk"),
-    "flex": Compressor(selector="topk", leader="round-robin", exchange=None),
-}
-COMPRESSORS = tuple(COMPRESSOR_TABLE)
-VAR_STATISTICS = STATISTICS
 
 
 @dataclass(frozen=True)
@@ -94,48 +59,13 @@ class HandedBucket:
     ready: torch.cuda.Event | None = None
 
 
-@dataclass(frozen=True)
-class FlexOptions:
-    """The validated settings of a :class:`FlexState` (see its docstring for each)."""
-
-    compressor: str = "artopk-star"
-    density: float | str = 0.01
-    warmup_steps: int = 0
-    mstopk_rounds: int = DEFAULT_ROUNDS
-    var_statistic: str = "norm"
-    var_smoothing: float = 0.9
-    flex_interval: int = 10
-    probe_every: int = 200
-    probe_sizes: tuple[int, ...] = (65536, 1 << 20)
-    forgetting: float = 0.9
-    max_records: int = 100_000
-
-    def __post_init__(self) -> None:
-        check_choice("compressor", self.compressor, COMPRESSORS)
-        if self.density != "auto":
-            check_fraction("density", self.density, low_open=True, high_open=False, extra=" or 'auto'")
-        for name, minimum in (("warmup_steps", 0), ("mstopk_rounds", 1), ("flex_interval", 1), ("probe_every", 1), ("max_records", 1)):
-            check_int(name, getattr(self, name), minimum)
-        check_choice("var_statistic", self.var_statistic, VAR_STATISTICS)
-        check_fraction("var_smoothing", self.var_smoothing, low_open=False, high_open=True)
-        sizes = self.probe_sizes
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 4 for b in sizes):
-            raise ValueError(f"probe_sizes must be a non-empty sequence of ints >= 4 (bytes), got {sizes!r}")
-        object.__setattr__(self, "probe_sizes", tuple(sizes))
-        check_fraction("forgetting", self.forgetting, low_open=True, high_open=False)
-
-    @property
-    def roles(self) -> Compressor:
-        return COMPRESSOR_TABLE[self.compressor]
-
-
 class FlexState:
     """Everything the hook keeps between calls: configuration, residuals, counters, records.
 
     Args:
         process_group: the group to communicate over (``None``: the default group); only this
             state's collectives may run on it (see :func:`flexcomm.comm.own_group`).
-        compressor: one of :data:`COMPRESSORS`.
+        compressor: one of :data:`flexcomm.options.COMPRESSORS`.
         density: fraction of each bucket's elements sent, in (0, 1], or ``"auto"``.
         controller: the :class:`DensityController` of ``density="auto"`` (default settings if None).
         warmup_steps: exchange dense for the first this many steps.

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import flexcomm
+from flexcomm.comm import own_group
 from flexcomm.control import DensityController
 from flexcomm.train import baselines
 from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig
@@ -204,8 +205,11 @@ def _make_state(cfg: TrainConfig) -> Any:
     controller = None
     if cfg.density == "auto":
         controller = DensityController(rule=cfg.auto_rule, warmup_steps=cfg.auto_warmup, measure_every=cfg.auto_every)
-    return flexcomm.FlexState(compressor=cfg.compressor, density=cfg.density, controller=controller,
-                              warmup_steps=cfg.warmup_steps)
+    # A group of the hook's own (every rank builds it here, at the same point): flex's agreement
+    # allreduce is issued when a step's last bucket is, and on DDP's group it would race DDP's
+    # broadcast of BatchNorm buffers at the next forward ("Received data size doesn't match").
+    return flexcomm.FlexState(process_group=own_group(None), compressor=cfg.compressor, density=cfg.density,
+                              controller=controller, warmup_steps=cfg.warmup_steps)
 
 
 def _inner_hook(compressor: str) -> Any:

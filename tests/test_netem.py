@@ -524,8 +524,11 @@ def test_cleanup_after_exception() -> None:
 
 _SIGNAL_CHILD = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from flexcomm.netem import EmulatedCluster
+    # A test runner started as a shell's background job passes SIGINT on ignored, and the
+    # cluster respects an ignored signal: the child handles it as an interactive program would.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with EmulatedCluster(2, "1gbit", prefix=sys.argv[1]) as c:
         print(" ".join(c.namespaces), flush=True)
         time.sleep(60)

@@ -19,16 +19,13 @@ import argparse
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import figure, save, write_csv
+from common import RESULTS, figure, save, write_csv
+from runs import TRAIN
 
 from flexcomm.train.records import FINAL_EVALS, read_records
-
-RESULTS = Path(__file__).resolve().parent / "results"
-TRAIN = str(Path(sys.executable).parent / "flexcomm-train")
 
 
 def train(args: list[str], log: Path) -> None:

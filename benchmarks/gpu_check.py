@@ -52,10 +52,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flexcomm
+from common import RESULTS
+from flexcomm.comm import control_device
 from flexcomm.compress import k_for
 from flexcomm.exchange import EXCHANGES
 
-RESULTS = Path(__file__).resolve().parent / "results"
 COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BUCKETS, NUMEL, DENSITY, STEPS = 6, 1 << 14, 0.02, 12
@@ -220,7 +221,7 @@ def _reference(name: str, world: int) -> list[torch.Tensor]:
 
 def _same_on_every_rank(tensor: torch.Tensor) -> bool:
     digest = torch.tensor(list(hashlib.sha256(tensor.numpy().tobytes()).digest()[:8]), dtype=torch.float64)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = control_device(None)
     gathered = [torch.zeros_like(digest, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, digest.to(device))
     return all(torch.equal(g.cpu(), digest) for g in gathered)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexcomm import elastic
+from flexcomm import elastic, telemetry
 from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, exchange_context, mark_ready
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
@@ -176,8 +176,6 @@ class FlexState:
         record; records already drained are gone, so an app that drains each step passes the
         step's records to :func:`flexcomm.telemetry.metrics`.  Call it between steps; no collective.
         """
-        from flexcomm import telemetry
-
         return telemetry.metrics(self)
 
     # ------------------------------------------------------------------ checkpoints

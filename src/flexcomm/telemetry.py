@@ -54,6 +54,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from flexcomm.exchange import EXCHANGES as EXCHANGE_FUNCTIONS
 from flexcomm.exchange.job import BucketRecord
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 
 PREFIX = "flexcomm/"
 #: The exchanges a bucket can use, as the records name them.
-EXCHANGES = ("dense", "agtopk", "artopk")
+EXCHANGES = tuple(EXCHANGE_FUNCTIONS)
 
 
 def metrics(state: FlexState, records: Sequence[BucketRecord] | None = None) -> dict[str, float]:

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from flexcomm.comm.streams import used_on_current_stream
 
 
-
 def control_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the small control tensors of ``group``'s collectives must live (see the module docstring)."""
     if dist.get_backend(group) == "nccl":

@@ -24,8 +24,10 @@ for ``--cpu``):
   steps: host synchronisations per step (the state reads the step's outcomes once);
 * ``timing`` (CUDA): a dense bucket's recorded exchange time within 2x of a CUDA-event
   timed allreduce of the same size;
-* ``memory`` (CUDA): peak memory with AR-Topk at most plain DDP's plus 2x the gradient bytes;
-* ``dense_speed`` (CUDA): ``flex`` at density 1.0 within 10% of plain DDP's step time.
+* ``memory`` (CUDA): peak memory with AR-Topk at most plain DDP's plus 2x the gradient bytes
+  (residual and spare buffer) plus the largest bucket (the selection's transient);
+* ``dense_speed`` (CUDA): ``flex`` at density 1.0 within 10% of the faster of plain DDP and
+  PyTorch's ``fp16_compress_hook`` (3 interleaved rounds, median step time each).
 
 Not covered here: Lightning and Accelerate checkpoints on GPU (their CPU tests cover
 the per-rank round trip).
@@ -57,7 +59,10 @@ from flexcomm.comm import control_device
 from flexcomm.compress import k_for
 from flexcomm.exchange import EXCHANGES
 
-COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex")
+COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex", "flex-dense16")
+#: The invariants' flex runs without dense16 (exact error feedback); ``flex-dense16`` with it, whose
+#: fp16 rounding is not fed back: it is held to fp16's tolerance whatever the gradient's dtype.
+SETTINGS = {"flex": {"compressor": "flex", "dense16": False}, "flex-dense16": {"compressor": "flex"}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BUCKETS, NUMEL, DENSITY, STEPS = 6, 1 << 14, 0.02, 12
 SLEEP_CYCLES = 2_000_000  # ~1 ms on a current GPU: long enough for a race to show
@@ -96,6 +101,9 @@ def _rank_main(rank: int, world: int, backend: str, cpu: bool, replica_steps: in
     device = torch.device("cpu") if cpu else torch.device("cuda", rank % torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet is not None:
+        quiet(False)  # the invariants run backward in a side stream on purpose
     init = f"file://{Path(tmp) / 'rendezvous'}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     checks: dict[str, dict] = {}
@@ -156,7 +164,7 @@ def _in_user_stream(device: torch.device) -> contextlib.AbstractContextManager:
 def _invariants(name: str, label: str, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DDP(_KnownGradients(dtype, device), bucket_cap_mb=NUMEL * 2 / 2**20 / 2)
-    state = flexcomm.register(model, compressor=name, density=1.0 if name == "dense" else DENSITY)
+    state = flexcomm.register(model, density=1.0 if name == "dense" else DENSITY, **SETTINGS.get(name, {"compressor": name}))
     model([torch.zeros(NUMEL, dtype=dtype, device=device)] * BUCKETS).backward()  # DDP's bucket rebuild
     total_grads = torch.zeros(BUCKETS, NUMEL, dtype=torch.float64)
     total_updates = torch.zeros(BUCKETS, NUMEL, dtype=torch.float64)
@@ -185,10 +193,13 @@ def _invariants(name: str, label: str, dtype: torch.dtype, device: torch.device)
     scale = total_grads.abs().max().item()
     # What the dtype's rounding of the sent values may cost per step, relative to the largest gradient.
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 1.5e-3, torch.float16: 2e-4}[dtype] * STEPS
+    if name == "flex-dense16":
+        tolerance = max(tolerance, 2e-4 * STEPS)
+    used = sorted({record.exchange for record in state.drain_records()})
     checks = {f"invariants/{name}/{label}": {
         "ok": bool(same and lost <= tolerance * scale),
         "detail": f"replicas identical every step: {same}; max |sum g - N sum update - sum e| = {lost:.3g} "
-                  f"(scale {scale:.3g}, tolerance {tolerance * scale:.3g})",
+                  f"(scale {scale:.3g}, tolerance {tolerance * scale:.3g}); exchanges {used}",
     }}  # fmt: skip
     if dtype == torch.float32 and name in ("dense", "agtopk", "artopk-star"):
         expected = _reference(name, world)
@@ -252,7 +263,7 @@ def _host_syncs(device: torch.device) -> dict:
     steps, counts = 20, {}
     for name in COMPRESSORS:
         model = DDP(_mlp(device), bucket_cap_mb=0.25)
-        flexcomm.register(model, compressor=name, density=1.0 if name == "dense" else DENSITY)
+        flexcomm.register(model, density=1.0 if name == "dense" else DENSITY, **SETTINGS.get(name, {"compressor": name}))
         x = torch.randn(64, 256, device=device)
         for _ in range(12):
             model(x).square().mean().backward()
@@ -292,7 +303,7 @@ def _timing(device: torch.device) -> dict:
 
 
 def _memory(device: torch.device) -> dict:
-    peaks = {}
+    peaks, bucket_bytes = {}, 25 * 2**20  # DDP's default bucket cap
     for name in ("plain", "artopk-star"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -307,27 +318,42 @@ def _memory(device: torch.device) -> dict:
         peaks[name] = torch.cuda.max_memory_allocated(device)
         del ddp
     extra = (peaks["artopk-star"] - peaks["plain"]) / grad_bytes
-    return {"ok": extra <= 2.0, "detail": f"extra peak memory = {extra:.2f} x gradient bytes (goal <= 2)"}
+    goal = 2.0 + bucket_bytes / grad_bytes
+    return {"ok": extra <= goal, "detail": f"extra peak memory = {extra:.2f} x gradient bytes (goal <= {goal:.2f}: "
+                                           "residual + spare buffer + one bucket's selection)"}
 
 
 def _dense_speed(device: torch.device) -> dict:
-    times = {}
-    for name in ("plain", "flex", "plain-again"):
-        ddp = DDP(nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).to(device))
-        if name == "flex":
-            flexcomm.register(ddp, compressor="flex", density=1.0)
-        x = torch.randn(64, 2048, device=device)
-        for _ in range(10):
-            ddp(x).square().mean().backward()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(30):
-            ddp(x).square().mean().backward()
-        end.record()
-        end.synchronize()
-        times[name] = start.elapsed_time(end) / 30
-    ratio = times["flex"] / min(times["plain"], times["plain-again"])
-    return {"ok": ratio <= 1.10, "detail": f"flex (density 1.0) / plain DDP step time = {ratio:.3f} (goal <= 1.10); ms: {times}"}
+    """Step time of plain DDP, PyTorch's fp16 hook and flex at density 1.0, measured in interleaved rounds."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    models, exchanges = {}, {}
+    for name in ("plain", "fp16-hook", "flex"):
+        torch.manual_seed(0)
+        ddp = models[name] = DDP(nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).to(device))
+        if name == "fp16-hook":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name == "flex":
+            state = flexcomm.register(ddp, compressor="flex", density=1.0)
+    x = torch.randn(64, 2048, device=device)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for round_ in range(3):
+        for name, ddp in models.items():
+            for _ in range(10 if round_ == 0 else 3):
+                ddp(x).square().mean().backward()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                ddp(x).square().mean().backward()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 20)
+    for record in state.drain_records()[-40:]:
+        exchanges[record.exchange] = exchanges.get(record.exchange, 0) + 1
+    median = {name: sorted(t)[1] for name, t in times.items()}
+    ratio = median["flex"] / min(median["plain"], median["fp16-hook"])
+    return {"ok": ratio <= 1.10, "detail": f"flex (density 1.0) / faster of plain DDP and fp16 hook = {ratio:.3f} (goal <= 1.10); "
+                                           f"median ms: { {n: round(t, 2) for n, t in median.items()} }; flex's last exchanges: {exchanges}"}
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ M = 200_000
 WORLD = 2
 KINDS = ("allreduce", "allgather", "broadcast")
 #: What each exchange reports: (collective kind, payload bytes per element sent).
-REPORTED = {"dense": ("allreduce", 4), "agtopk": ("allgather", 8), "artopk": ("allreduce", 4)}
+REPORTED = {"dense": ("allreduce", 4), "dense16": ("allreduce", 2), "agtopk": ("allgather", 8), "artopk": ("allreduce", 4)}
 Patch = Callable[[Any, str, Any], None]
 
 
@@ -38,6 +38,7 @@ class FakeLink:
         rate_bps: the link's bandwidth (change it with :attr:`rate_bps` between steps).
         compute: forward + backward + optimizer seconds of a step.
         select: seconds of a sparse exchange's selection.
+        cast: seconds of dense16's casts (to fp16 and back).
         extra: seconds a step at a density spends beyond what the planner's model sees.
         identity: the agreement allreduces are identities (one process); else the real
             ``allreduce_floats_async`` runs (ranks of a real group).
@@ -46,9 +47,10 @@ class FakeLink:
 
     def __init__(self, patch: Patch, rate_bps: float, compute: float = 0.1, select: float = 0.004,
                  extra: dict[float, float] | None = None, alpha: float = 1e-4, identity: bool = True,
-                 jitter: float = 0.0) -> None:
+                 jitter: float = 0.0, cast: float = 0.001) -> None:
         self.rate_bps, self.alpha = rate_bps, alpha
         self.compute, self.select, self.extra, self.jitter = compute, select, extra or {}, jitter
+        self.cast = cast
         self.clock = 0.0
         gen = torch.Generator().manual_seed(0)
         self.grad = torch.randn(M, generator=gen) * torch.rand(M, generator=gen).pow(6)
@@ -85,13 +87,12 @@ class FakeLink:
         plan = planner.plan(0, M, 4, step)
         if planner.measuring_gain:
             planner.observe_gain(0, self.grad, self.workspace)
-        dense = plan.exchange == "dense"
         kind, per_element = REPORTED[plan.exchange]
-        nbytes = per_element * (M if dense else k_for(M, plan.density))
+        nbytes = per_element * (M if plan.exchange in ("dense", "dense16") else k_for(M, plan.density))
         comm = _tick(predict_exchange_times(M, plan.density, WORLD, self.params, 4)[plan.exchange])
-        block = 0.0 if dense else _tick(self.select)
+        block = {"dense": 0.0, "dense16": _tick(self.cast)}.get(plan.exchange, _tick(self.select))
         self.clock += block + comm
-        planner.observe_exchange(step, 0, Observation(kind, nbytes, WORLD, comm), None if dense else block)
+        planner.observe_exchange(step, 0, Observation(kind, nbytes, WORLD, comm), None if plan.exchange == "dense" else block)
         planner.end_step(step)  # as the state does once the step's last exchange is issued
         self.clock += _tick(0.2 * self.compute + self.extra.get(plan.density, 0.0))
         return plan.density, plan.exchange

@@ -74,7 +74,7 @@ def test_single_rank_costs_nothing(kind, algorithm):
 
 def test_single_rank_exchanges_cost_nothing():
     params = CostParams.uniform(LINK)
-    assert predict_exchange_times(1000, 0.1, 1, params) == {"dense": 0.0, "artopk": 0.0, "agtopk": 0.0}
+    assert predict_exchange_times(1000, 0.1, 1, params) == {"dense": 0.0, "dense16": 0.0, "artopk": 0.0, "agtopk": 0.0}
 
 
 def test_from_bandwidth():
@@ -135,7 +135,10 @@ def test_fast_link_moderate_density_picks_dense():
     # dense  = 6e-6 + 1.5*4e6*1e-9                              = 6.006e-3
     # artopk = 2*(1e-6 + 2e6*1e-9) + 6e-6 + 1.5*2e6*1e-9          = 4.002e-3 + 3.006e-3 = 7.008e-3
     # agtopk = 3e-6 + 3*4e6*1e-9                                 = 12.003e-3
-    assert cheapest_exchange(1_000_000, 0.5, 4, params) == "dense"
+    # dense16 = 6e-6 + 1.5*2e6*1e-9                             = 3.006e-3
+    assert cheapest_exchange(1_000_000, 0.5, 4, params, candidates=("dense", "artopk", "agtopk")) == "dense"
+    assert cheapest_exchange(1_000_000, 0.5, 4, params) == "dense16"
+    assert predict_exchange_times(1_000_000, 0.5, 4, params)["dense16"] == pytest.approx(3.006e-3)
 
 
 def test_high_latency_tiny_k_picks_agtopk():

@@ -196,8 +196,9 @@ def test_auto_density_is_the_same_on_four_ranks(compressor: str) -> None:
     decisions = results[0]["decisions"]
     assert decisions, "the controller never decided"
     assert all(len(d["candidates"]) == len(CANDIDATES) for d in decisions)
-    # Warm-up is dense; later steps use whatever the controller chose.
-    assert [e for _, e, _ in results[0]["exchanges"][:2]] == ["dense", "dense"]
+    # Warm-up is dense (flex: dense or dense16); later steps use whatever the controller chose.
+    dense = ("dense", "dense16") if compressor == "flex" else ("dense",)
+    assert all(e in dense for _, e, _ in results[0]["exchanges"][:2])
 
 
 def test_tta_charges_what_error_feedback_sends_later_less_than_goodput() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -12,7 +13,8 @@ import flexcomm
 
 from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.control import step_log
-from flexcomm.control.exchange import BucketCosts, ExchangeChooser, StepSample, best_plan, simulate_step
+from flexcomm.control.exchange import ExchangeChooser, StepSample
+from flexcomm.control.step_model import BucketCosts, best_plan, simulate_step
 from flexcomm.cost import CostEstimator, CostParams, LinkParams, Observation, predict_exchange_times
 from multiproc import run_world
 from test_hook_distributed import M, exchange, gradient, hooked_model
@@ -21,7 +23,8 @@ GBIT = 8 / 1e9
 
 
 def bucket(block: dict[str, float], comm: dict[str, float], gap: float) -> BucketCosts:
-    return BucketCosts({"dense": 0.0, **block}, comm, gap)
+    """A bucket's costs; exchanges not named in ``comm`` are unusable (infinite)."""
+    return BucketCosts({"dense": 0.0, "dense16": 0.0, **block}, {"dense16": math.inf, **comm}, gap)
 
 
 def test_simulation_hides_early_collectives_behind_backward() -> None:
@@ -135,8 +138,8 @@ def test_exploration_is_scheduled_by_the_step_counter_and_bounded_by_the_margin(
     assert changed[0][1] == "dense" and changed[10][0] == "dense"  # one bucket at a time, alternating
     slow = chooser_at(1e7, [0, 1])
     slow.plan = {0: "artopk", 1: "artopk"}
-    # 10 Mbit/s: dense would be ~100x the step; it is never tried.
-    assert all(slow.choose(b, step, 0.01, 2) != "dense" for step in range(40) for b in (0, 1))
+    # 10 Mbit/s: dense would be ~100x the step (dense16 ~50x); neither is ever tried.
+    assert all(slow.choose(b, step, 0.01, 2) in ("artopk", "agtopk") for step in range(40) for b in (0, 1))
 
 
 def test_replan_and_state_round_trip_are_deterministic() -> None:
@@ -206,7 +209,10 @@ def test_single_bucket_choices_follow_the_link() -> None:
     # ranks picks AG-Topk (N-1 latency terms vs a broadcast plus a ring allreduce).
     fast = chooser_at(100e9, [0], numel=25_000_000, alpha=1e-5)
     fast.observe(0, [StepSample(0, "artopk", 0.01, 0.05, 0.0, 0.0), StepSample(0, "agtopk", 0.01, 0.05, 0.0, 0.0)], 4)
-    assert fast.choice(0, 25_000_000, 0.01, 4, 4, step=1).exchange == "dense"
+    assert fast.choice(0, 25_000_000, 0.01, 4, 4, step=1).exchange == "dense16"  # half the bytes, casts unmeasured
+    # Its casts measured at 20 ms, more than the 7.5 ms of the 100 MB allreduce they save: dense.
+    fast.observe(1, [StepSample(0, "dense16", 0.01, 0.02, fast.predicted(0, "dense16", 0.01, 4), 0.0)], 4)
+    assert fast.choice(0, 25_000_000, 0.01, 4, 4, step=2).exchange == "dense"
     assert chooser_at(100e6, []).choice(0, 25_000_000, 0.01, 64, 4, step=1).exchange == "artopk"
     assert chooser_at(1e9, [], alpha=5e-3).choice(0, 1000, 0.01, 8, 4, step=1).exchange == "agtopk"
 
@@ -214,10 +220,10 @@ def test_single_bucket_choices_follow_the_link() -> None:
 def test_measured_selection_time_counts_against_sparse_exchanges() -> None:
     chooser = chooser_at(1e9, [])
     before = chooser.choice(3, 1_000_000, 0.01, 2, 4, step=1)
-    assert before.exchange != "dense"
+    assert before.exchange in ("artopk", "agtopk")
     chooser.observe(1, [StepSample(3, before.exchange, 0.01, 1.0, 0.0, 0.0)], 2)
     after = chooser.choice(3, 1_000_000, 0.01, 2, 4, step=2)
-    assert after.exchange == "dense"
+    assert after.exchange == "dense16"
     assert after.predicted[before.exchange] == pytest.approx(1.0, abs=0.01)
 
 
@@ -294,17 +300,31 @@ def test_flex_plans_and_explorations_identical_on_four_ranks_with_many_buckets()
         assert r == results[0]
 
 
-def _flex_update(rank: int, world: int) -> torch.Tensor:
-    model, _ = hooked_model(compressor="flex", density=1.0)
-    return exchange(model, gradient(rank, 0))
+def _flex_update(rank: int, world: int, dense16: bool) -> tuple[torch.Tensor, str]:
+    model, state = hooked_model(compressor="flex", density=1.0, dense16=dense16)
+    return exchange(model, gradient(rank, 0)), state.drain_records()[-1].exchange
 
 
 def test_flex_at_full_density_equals_dense_average() -> None:
-    results = run_world(_flex_update, 2)
+    results = run_world(_flex_update, 2, False)
     dense = torch.stack([gradient(r, 0) for r in range(2)]).mean(0)
-    for update in results:
+    for update, chosen in results:
+        assert chosen == "dense"
         torch.testing.assert_close(update, dense)
     assert update.numel() == M
+
+
+def test_flex_dense16_is_the_fp16_average_widened() -> None:
+    # Without a measurement the model rates dense16 (half the bytes, casts not yet measured)
+    # cheapest: the update is sum_i fp16(g_i / 2), summed in fp16, widened -- bit for bit.
+    results = run_world(_flex_update, 2, True)
+    halves = [(gradient(r, 0) / 2).half() for r in range(2)]
+    expected = (halves[0].float() + halves[1].float()).half().float()
+    for update, chosen in results:
+        assert chosen == "dense16"
+        assert update.dtype == torch.float32
+        assert torch.equal(update, expected)
+    assert not torch.equal(expected, torch.stack([gradient(r, 0) for r in range(2)]).mean(0))
 
 
 # ---------------------------------------------------------------- switching exchanges mid-training
@@ -409,3 +429,13 @@ def test_step_log_gives_a_long_allreduce_the_period_it_spans(monkeypatch: pytest
     samples = {s.bucket: s for s in log.close()}
     assert samples[0].service == pytest.approx(0.210 * 25 / 25.5)
     assert samples[1].service == pytest.approx(0.210 * 0.25 / 25.5)
+
+
+def test_dense16_option_is_checked_and_keeps_flex_off_dense16() -> None:
+    with pytest.raises(TypeError, match="dense16 must be True or False, got 'no'"):
+        flexcomm.FlexState(compressor="flex", dense16="no")
+    # fp16 gradients gain nothing from dense16: it is never a choice for them, nor when disabled.
+    for chooser, value_bytes in ((chooser_at(1e8, []), 2), (ExchangeChooser(dense16=False), 4)):
+        chooser.sizes = {0: (1_000_000, value_bytes)}
+        assert chooser.predicted(0, "dense16", 0.01, 2) == math.inf
+        assert chooser.choice(0, 1_000_000, 1.0, 2, value_bytes, step=1).exchange == "dense"

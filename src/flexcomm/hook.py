@@ -22,9 +22,10 @@ the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
 ``artopk-var``   as ``artopk-star``, with r = the rank whose EWMA of a gradient statistic
                  (L2 norm of ``a_i`` by default, or its variance) is largest, ties to the
                  lowest rank (see :mod:`flexcomm.exchange.leaders`).
-``flex``         per bucket, whichever of dense, agtopk and artopk-star the alpha-beta
-                 model (plus measured compression time) predicts cheapest now; see
-                 :mod:`flexcomm.control.planner`.
+``flex``         per bucket, whichever of dense, dense16 (``a_i / N`` allreduced in fp16,
+                 as PyTorch's ``fp16_compress_hook``), agtopk and artopk-star the
+                 alpha-beta model (plus measured local work) predicts makes the step
+                 fastest now; see :mod:`flexcomm.control.planner`.
 
 ``density="auto"`` lets a :class:`~flexcomm.control.DensityController` move the density
 along the Pareto front of compression gain and step time (see :mod:`flexcomm.control.density`).

@@ -10,7 +10,7 @@ compressor     selector    leader policy   exchange
 ``mstopk``     ``mstopk``  --              ``agtopk``
 ``artopk-star``  ``topk``  ``round-robin``  ``artopk``: broadcast indices, allreduce values
 ``artopk-var``   ``topk``  ``statistic``    ``artopk``
-``flex``       ``topk``    ``round-robin``  chosen per bucket by the cost model
+``flex``       ``topk``    ``round-robin``  per bucket by the cost model: ``dense``, ``dense16``, ``agtopk``, ``artopk``
 =============  ==========  ==============  =========================================
 
 STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
@@ -61,6 +61,7 @@ class FlexOptions:
     probe_sizes: tuple[int, ...] = (65536, 1 << 20)
     forgetting: float = 0.9
     max_records: int = 100_000
+    dense16: bool = True
 
     def __post_init__(self) -> None:
         check_choice("compressor", self.compressor, COMPRESSORS)
@@ -75,6 +76,8 @@ class FlexOptions:
             raise ValueError(f"probe_sizes must be a non-empty sequence of ints >= 4 (bytes), got {sizes!r}")
         object.__setattr__(self, "probe_sizes", tuple(sizes))
         check_fraction("forgetting", self.forgetting, low_open=True, high_open=False)
+        if not isinstance(self.dense16, bool):
+            raise TypeError(f"dense16 must be True or False, got {self.dense16!r}")
 
     @property
     def roles(self) -> Compressor:

@@ -37,7 +37,7 @@ from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.stats import to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
 from flexcomm.cost import Observation
-from flexcomm.exchange import BucketJob, LeaderPolicy, make_leader_policy
+from flexcomm.exchange import DENSE_EXCHANGES, BucketJob, LeaderPolicy, make_leader_policy
 from flexcomm.exchange.job import BucketRecord, DeviceOutcome, apply_timings
 from flexcomm.options import FlexOptions
 from flexcomm.version import __version__
@@ -79,6 +79,9 @@ class FlexState:
         forgetting: the (alpha, beta) estimator's forgetting factor per sample, in (0, 1]:
             lower follows a changing network faster, higher averages out more noise.
         max_records: how many :class:`BucketRecord` are kept until :meth:`drain_records`.
+        dense16: ``flex`` may allreduce a bucket of fp32 gradients in fp16 (``dense16``, what
+            PyTorch's ``fp16_compress_hook`` sends) where that makes the step fastest; ``False``
+            keeps its dense choice in the gradients' own dtype.
     """
 
     def __init__(
@@ -96,10 +99,11 @@ class FlexState:
         probe_sizes: tuple[int, ...] = (65536, 1 << 20),
         forgetting: float = 0.9,
         max_records: int = 100_000,
+        dense16: bool = True,
     ) -> None:
         self.options = options = FlexOptions(
             compressor, density, warmup_steps, mstopk_rounds, var_statistic, var_smoothing,
-            flex_interval, probe_every, probe_sizes, forgetting, max_records,
+            flex_interval, probe_every, probe_sizes, forgetting, max_records, dense16,
         )
         if density == "auto":
             controller = controller or DensityController()
@@ -110,7 +114,7 @@ class FlexState:
         self.planner = StepPlanner(
             exchange=roles.exchange, density=None if controller else float(density), controller=controller,
             warmup_steps=warmup_steps, flex_interval=flex_interval, probe_every=probe_every,
-            probe_sizes=options.probe_sizes, forgetting=forgetting, group=process_group,
+            probe_sizes=options.probe_sizes, forgetting=forgetting, group=process_group, dense16=dense16,
         )
         self.selector = make_selector(roles.selector, mstopk_rounds) if roles.selector else None
         self.leaders: LeaderPolicy | None = make_leader_policy(roles.leader, var_statistic, var_smoothing) if roles.leader else None
@@ -277,7 +281,7 @@ class FlexState:
             self.planner.begin_step(step)
         numel = grad.numel()
         plan = self.planner.plan(index, numel, grad.element_size(), step)
-        dense = plan.exchange == "dense"
+        dense = plan.exchange in DENSE_EXCHANGES
         if not dense:
             check_index_range(numel)
         memory = self.memory

@@ -10,11 +10,13 @@ Keys of the newest step (from its :class:`~flexcomm.BucketRecord` list; present 
 ``flexcomm/step``                       the hook's step counter of that step (0-based).
 ``flexcomm/density``                    fraction of its elements each compressed bucket sent (the
                                         configured density, or the controller's); 1.0 when every
-                                        bucket went dense (warm-up, ``dense``, or ``flex`` chose dense).
+                                        bucket went dense (warm-up, ``dense``, or ``flex`` chose dense
+                                        or dense16).
 ``flexcomm/sent_fraction``              gradient elements sent / gradient elements, dense buckets
                                         counted whole (k is at least 1 per bucket).
 ``flexcomm/share_dense``,               fraction of the step's buckets exchanged by dense allreduce,
-``flexcomm/share_agtopk``,              AG-Topk (allgather; ``mstopk`` too) and AR-Topk; they sum to 1.
+``flexcomm/share_dense16``,             dense allreduce in fp16 (``flex``), AG-Topk (allgather;
+``flexcomm/share_agtopk``,              ``mstopk`` too) and AR-Topk; they sum to 1.
 ``flexcomm/share_artopk``
 ``flexcomm/bytes_sent``                 bytes this rank handed to the step's collectives (payload,
                                         not wire bytes).
@@ -54,6 +56,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from flexcomm.exchange import DENSE_EXCHANGES
 from flexcomm.exchange import EXCHANGES as EXCHANGE_FUNCTIONS
 from flexcomm.exchange.job import BucketRecord
 
@@ -100,7 +103,7 @@ def step_metrics(records: Sequence[BucketRecord]) -> dict[str, float]:
     if not records:
         return {}
     numel = sum(r.numel for r in records)
-    compressed = [r.density for r in records if r.exchange != "dense"]
+    compressed = [r.density for r in records if r.exchange not in DENSE_EXCHANGES]
     values: dict[str, float] = {
         "step": records[-1].step,
         "density": max(compressed) if compressed else 1.0,

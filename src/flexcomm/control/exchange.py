@@ -1,27 +1,9 @@
 """Which exchange each bucket uses: the plan that makes the whole step fastest (``flex``).
 
-DDP hands buckets to the hook in a fixed order while backward runs.  For bucket ``b`` (in
-that order) and exchange ``e`` the model holds, from measurements agreed across ranks:
-
-* ``block[b, e]``: local work on the critical path, max over ranks -- selection, packing
-  and write-back (for AR-Topk every follower waits for the leader's selection).  Dense: 0;
-* ``comm[b, e]``: the collectives' own time (service time: queueing behind the previous
-  bucket's collectives removed), min over ranks;
-* ``gap[b]``: backward compute between bucket ``b``'s hook call and the next one, max over
-  ranks (the same whatever is chosen).
-
-One process group runs its collectives one after another, so with ``t`` the autograd
-thread's clock and ``free`` the time the group is next idle:
-
-    t = free = 0
-    for b in order:  t += block[b, e_b];  free = max(t, free) + comm[b, e_b];  t += gap[b]
-    step = max(t, free)
-
-``step`` is backward plus what the exchanges add to it: a dense bucket early in backward
-costs nothing while its allreduce hides behind the rest of backward, a selection costs its
-full time, the last buckets' collectives are exposed.  The plan is the choice vector with
-the smallest ``step``, by coordinate descent from the current plan (one bucket's exchange
-changes at a time, only for a gain above ``hysteresis``).
+The step a plan makes is simulated by :mod:`flexcomm.control.step_model`: backward runs on,
+each bucket's local work holds it, one group runs the collectives one after another.  The plan
+is the choice vector with the smallest simulated step, by coordinate descent from the current
+plan (one bucket's exchange changes at a time, only for a gain above ``hysteresis``).
 
 ``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` (EWMA of measured /
 modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).
@@ -34,8 +16,11 @@ step after step.)  A pair not measured since is not rebased: its prediction foll
 model, so a link that changed moves the exchanges flex is not using.  (Rebasing those too
 kept dense at its 1 Gbit time after a drop to 20 Mbit, and flex chose it: 4 s steps.)
 
-``block`` of an unmeasured pair comes from the measured seconds per element of sparse
-exchanges (0 before any: optimistic, so a sparse choice gets tried and measured).
+``block`` of an unmeasured sparse pair comes from the measured seconds per element of sparse
+exchanges (0 before any: optimistic, so a sparse choice gets tried and measured); of an
+unmeasured dense16 pair it is 0 for the same reason.  An exchange that cannot help a bucket
+costs infinity: sparse ones at density 1 (every index would only add bytes), dense16 for
+16-bit gradients or when disabled.
 
 The guard's step periods (each the agreed median of a few steps) take a new value whole
 when it differs from the old one by more than a factor ``JUMP``: a change of regime (a link
@@ -68,9 +53,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flexcomm.cost import CostEstimator, CostParams, predict_exchange_times
+from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, simulate_step
+from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, predict_exchange_times
 
-EXCHANGE_ORDER = ("dense", "artopk", "agtopk")
 #: The guard tries all-dense steps only while the model rates them within this factor of the plan's:
 #: what it corrects (compute and collectives sharing the CPU) is tens of percent, and after a
 #: drop the model can rate dense several times too fast (a 3-step trial at 20 Mbit cost 12 s).
@@ -79,18 +64,6 @@ GUARD_MARGIN = 1.5
 GUARD_TRIAL_STEPS = 3
 #: A guard period this many times above or below the smoothed one replaces it (a change of regime).
 JUMP = 3.0
-
-
-@dataclass(frozen=True)
-class BucketCosts:
-    """One bucket's inputs to :func:`simulate_step`: per-exchange blocking and comm seconds, and the gap after it."""
-
-    block: Mapping[str, float]
-    comm: Mapping[str, float]
-    gap: float
-
-    def total(self, exchange: str) -> float:
-        return self.block[exchange] + self.comm[exchange]
 
 
 @dataclass(frozen=True)
@@ -113,34 +86,6 @@ class StepSample:
     gap: float
 
 
-def simulate_step(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> float:
-    """Backward plus the exposed exchanges under ``choice`` (one exchange per bucket, in hook order)."""
-    t = free = 0.0
-    for costs, exchange in zip(buckets, choice):
-        t += costs.block[exchange]
-        free = max(t, free) + costs.comm[exchange]
-        t += costs.gap
-    return max(t, free)
-
-
-def best_plan(buckets: Sequence[BucketCosts], current: Sequence[str], hysteresis: float) -> list[str]:
-    """Coordinate descent from ``current``: switch one bucket at a time while the step gets faster by > ``hysteresis``."""
-    plan = list(current)
-    best = simulate_step(buckets, plan)
-    improved = True
-    while improved:
-        improved = False
-        for i in range(len(buckets)):
-            for exchange in EXCHANGE_ORDER:
-                if exchange == plan[i]:
-                    continue
-                trial = plan[:i] + [exchange] + plan[i + 1:]
-                seconds = simulate_step(buckets, trial)
-                if seconds < best * (1.0 - hysteresis):
-                    plan, best, improved = trial, seconds, True
-    return plan
-
-
 class ExchangeChooser:
     """Measured and modelled costs per (bucket, exchange), and the plan that minimises the step.
 
@@ -152,10 +97,11 @@ class ExchangeChooser:
         explore_margin: an alternative is explored only if the model's step with it is within
             this fraction of the plan's step.
         guard_every: steps between the guard's trials (0: no guard; see :meth:`replan`).
+        dense16: whether ``dense16`` (the bucket allreduced in fp16) is among the choices.
     """
 
     def __init__(self, estimator: CostEstimator | None = None, smoothing: float = 0.7, hysteresis: float = 0.05,
-                 explore_every: int = 10, explore_margin: float = 0.5, guard_every: int = 25) -> None:
+                 explore_every: int = 10, explore_margin: float = 0.5, guard_every: int = 25, dense16: bool = True) -> None:
         self.estimator = estimator or CostEstimator()
         self.params: CostParams = self.estimator.params
         self.smoothing = smoothing
@@ -163,6 +109,7 @@ class ExchangeChooser:
         self.explore_every = explore_every
         self.explore_margin = explore_margin
         self.guard_every = guard_every
+        self.dense16 = dense16
         #: bucket -> (numel, value bytes) of the buckets of the current layout.
         self.sizes: dict[int, tuple[int, int]] = {}
         self.plan: dict[int, str] = {}
@@ -183,7 +130,7 @@ class ExchangeChooser:
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
         return {"smoothing": self.smoothing, "hysteresis": self.hysteresis, "explore_every": self.explore_every,
-                "explore_margin": self.explore_margin, "guard_every": self.guard_every}
+                "explore_margin": self.explore_margin, "guard_every": self.guard_every, "dense16": self.dense16}
 
     @property
     def order(self) -> list[int]:
@@ -233,12 +180,22 @@ class ExchangeChooser:
         """Predicted blocking and comm seconds of every exchange of ``bucket`` at ``density``."""
         numel, vb = self.sizes[bucket]
         modelled = predict_exchange_times(numel, density, world, self.params, vb)
-        comm = {e: self._kappa_for(bucket, e) * modelled[e] for e in EXCHANGE_ORDER}
+        comm = {e: self._kappa_for(bucket, e) * modelled[e] if self._usable(e, vb, density) else math.inf
+                for e in EXCHANGE_ORDER}
         block = {e: self._block_for(bucket, e, numel) for e in EXCHANGE_ORDER}
         return BucketCosts(block, comm, self._gap.get(bucket, 0.0))
 
     def step_costs(self, density: float, world: int) -> list[BucketCosts]:
         return [self.costs(b, density, world) for b in self.order]
+
+    def _usable(self, exchange: str, value_bytes: int, density: float) -> bool:
+        """Whether ``exchange`` can help: sparse ones below density 1 (sending every index only adds bytes),
+        ``dense16`` when enabled and the gradient is wider than 16 bits.  An unusable one costs inf."""
+        if exchange in SPARSE:
+            return density < 1.0
+        if exchange == "dense16":
+            return self.dense16 and value_bytes > HALF_BYTES
+        return True
 
     def _kappa_for(self, bucket: int, exchange: str) -> float:
         own = self._kappa.get((bucket, exchange))
@@ -248,13 +205,14 @@ class ExchangeChooser:
         return sum(others) / len(others) if others else 1.0
 
     def _block_for(self, bucket: int, exchange: str, numel: int) -> float:
-        if exchange == "dense":
+        if exchange not in SPARSE:
+            # dense: nothing; dense16: its casts, 0 until measured (optimistic: it gets tried).
             return self._block.get((bucket, exchange), 0.0)
         own = self._block.get((bucket, exchange))
         if own is not None:
             return own
         # Selection work grows with the bucket: scale the slowest measured rate of a sparse exchange.
-        rates = [t / self.sizes[b][0] for (b, e), t in sorted(self._block.items()) if e != "dense"]
+        rates = [t / self.sizes[b][0] for (b, e), t in sorted(self._block.items()) if e in SPARSE]
         return max(rates) * numel if rates else 0.0
 
     # -- decisions ------------------------------------------------------------------------
@@ -269,7 +227,7 @@ class ExchangeChooser:
             return
         self.plan_density = density
         costs = self.step_costs(density, world)
-        current = [self._simulated_plan.get(b) or min(EXCHANGE_ORDER, key=c.total) for b, c in zip(self.order, costs)]
+        current = self._start(costs, self._simulated_plan)
         self._simulated_plan = dict(zip(self.order, best_plan(costs, current, self.hysteresis)))
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
@@ -308,9 +266,17 @@ class ExchangeChooser:
         planned = simulate_step(costs, [self.plan[b] for b in self.order])
         return dense if simulate_step(costs, list(dense.values())) <= GUARD_MARGIN * planned else None
 
-    def _current(self, costs: Sequence[BucketCosts]) -> list[str]:
-        """The plan in hook order; a bucket without one starts from its cheapest exchange alone."""
-        return [self.plan.get(b) or min(EXCHANGE_ORDER, key=c.total) for b, c in zip(self.order, costs)]
+    def _start(self, costs: Sequence[BucketCosts], plan: Mapping[int, str]) -> list[str]:
+        """``plan`` in hook order, where a bucket without a usable choice takes its cheapest exchange alone.
+
+        (A choice of another density can be unusable here -- sparse at density 1 -- and a
+        descent from an infinite step could never improve one bucket at a time.)
+        """
+        def start(bucket: int, costs: BucketCosts) -> str:
+            chosen = plan.get(bucket)
+            return chosen if chosen is not None and math.isfinite(costs.total(chosen)) else min(EXCHANGE_ORDER, key=costs.total)
+
+        return [start(b, c) for b, c in zip(self.order, costs)]
 
     def choose(self, bucket: int, step: int, density: float, world: int) -> str:
         """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
@@ -354,15 +320,18 @@ class ExchangeChooser:
         return self.costs(bucket, density, world).total(exchange)
 
     def step_seconds(self, density: float, world: int, exchange: str | None) -> float:
-        """Predicted backward + exchanges at ``density``: the best plan, or ``exchange`` for every bucket."""
+        """Predicted backward + exchanges at ``density``: the best plan, or ``exchange`` for every bucket.
+
+        At density 1.0 a fixed exchange means dense; ``flex`` plans between dense and dense16.
+        """
         if not self.order:
             return math.nan
         costs = self.step_costs(density, world)
-        if density >= 1.0:
+        if density >= 1.0 and exchange is not None:
             return simulate_step(costs, ["dense"] * len(costs))
         if exchange is not None:
             return simulate_step(costs, [exchange] * len(costs))
-        return simulate_step(costs, best_plan(costs, self._current(costs), 0.0))
+        return simulate_step(costs, best_plan(costs, self._start(costs, self.plan), 0.0))
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

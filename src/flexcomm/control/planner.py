@@ -26,7 +26,7 @@ Every decision is a deterministic function of the step counter and of values eve
 received in the same collective, so every rank decides alike:
 
 * ``flex``: the :class:`~flexcomm.control.exchange.ExchangeChooser` plans, per bucket, the
-  exchange (dense, AG-Topk or AR-Topk) that makes the whole step fastest: blocking local
+  exchange (dense, dense16, AG-Topk or AR-Topk) that makes the whole step fastest: blocking local
   work, collectives queued on the group, what hides behind the rest of backward (see its
   module).  Its inputs: (alpha, beta) estimated online from a probe of a few message sizes
   at start and every ``probe_every`` steps and from the collectives' own times, and each
@@ -45,7 +45,8 @@ received in the same collective, so every rank decides alike:
   measured at that same density where there are any (:mod:`flexcomm.control.periods`); a
   step's period, from its first bucket to the next step's, is closed at that next step.
   Whenever the density changes the exchange plan is made again for it.
-* the first ``warmup_steps`` steps, and density 1.0 under ``auto``, are dense.
+* the first ``warmup_steps`` steps, and density 1.0 under ``auto`` with a fixed
+  compressor, are dense (fp32); ``flex`` at density 1.0 plans between dense and dense16.
 
 Collectives: whether the measurement allreduce runs, and its length, follow from the step
 counter and the exchanges every rank planned, never from rank-local samples
@@ -103,6 +104,7 @@ class StepPlanner:
         flex_interval, probe_every, probe_sizes, forgetting: the online cost estimate
             (see :class:`flexcomm.FlexState`).
         group: the process group the agreement collectives run on.
+        dense16: whether ``flex`` may allreduce a bucket in fp16 (see :class:`flexcomm.FlexState`).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class StepPlanner:
         probe_sizes: Sequence[int],
         forgetting: float,
         group: dist.ProcessGroup | None,
+        dense16: bool = True,
     ) -> None:
         self.exchange = exchange
         self.controller = controller
@@ -125,7 +128,7 @@ class StepPlanner:
         self.probe_every = probe_every
         self.probe_sizes = tuple(probe_sizes)
         self.group = group
-        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting))
+        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting), dense16=dense16)
         self._log = StepLog()
         # Local samples and the (step, bucket) every rank planned, since the last agreement point.
         self._pending: list[LocalSample] = []
@@ -238,8 +241,9 @@ class StepPlanner:
         """How this bucket is exchanged at ``step``."""
         density = self.density
         world = self.world_size
-        # Under density="auto", density 1.0 means dense: sending every index would only add bytes.
-        if step < self.warmup_steps or (self.controller is not None and density >= 1.0):
+        # Under density="auto", density 1.0 means dense (sending every index would only add bytes):
+        # a fixed compressor's fp32 dense, flex's choice of dense or dense16.
+        if step < self.warmup_steps or (self.controller is not None and density >= 1.0 and self.exchange is not None):
             exchange = "dense"
         elif self.exchange is not None:
             exchange = self.exchange

@@ -10,6 +10,7 @@ from flexcomm.cost.estimator import (
 from flexcomm.cost.model import (
     EXCHANGES,
     GLOO_ALGORITHMS,
+    HALF_BYTES,
     KINDS,
     TREE_ALGORITHMS,
     Algorithms,
@@ -23,6 +24,7 @@ from flexcomm.cost.model import (
     cheapest_exchange,
     collective_coefficients,
     collective_time,
+    dense16_time,
     dense_time,
     predict_exchange_times,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "DEFAULT_PRIOR",
     "EXCHANGES",
     "GLOO_ALGORITHMS",
+    "HALF_BYTES",
     "KINDS",
     "TREE_ALGORITHMS",
     "Algorithms",
@@ -47,6 +50,7 @@ __all__ = [
     "cheapest_exchange",
     "collective_coefficients",
     "collective_time",
+    "dense16_time",
     "dense_time",
     "merge_observations",
     "predict_exchange_times",

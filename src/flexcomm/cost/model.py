@@ -49,10 +49,11 @@ What the backends really run (checked against their sources):
   (``src/device/broadcast.h``).  Small NCCL allreduces are therefore tree-like (use
   :data:`TREE_ALGORITHMS` style coefficients), large ones ring.
 
-The three exchanges of one bucket of ``M`` elements at density ``c``
+The four exchanges of one bucket of ``M`` elements at density ``c``
 (``k = max(1, ceil(c * M))``, at most ``M``; ``vb`` value bytes, 4-byte int32 indices):
 
 * ``dense``:  ``allreduce(M * vb)``
+* ``dense16``: ``allreduce(M * 2)`` (the bucket in fp16, whatever ``vb``)
 * ``agtopk``: ``allgather(k * (vb + 4))`` (values and indices packed in one message)
 * ``artopk``: ``broadcast(k * 4) + allreduce(k * vb)``
 
@@ -70,12 +71,14 @@ from flexcomm.compress.sparse import INDEX_BYTES
 from flexcomm.compress.topk import k_for
 
 CollectiveKind = Literal["allreduce", "allgather", "broadcast"]
-Exchange = Literal["dense", "artopk", "agtopk"]
+Exchange = Literal["dense", "dense16", "artopk", "agtopk"]
 
 KINDS: tuple[CollectiveKind, ...] = ("allreduce", "allgather", "broadcast")
 #: Tie-break order of :func:`cheapest_exchange`: on equal predicted time the earlier wins
-#: (dense needs no compression work; AR-Topk keeps one index set for every rank).
-EXCHANGES: tuple[Exchange, ...] = ("dense", "artopk", "agtopk")
+#: (dense needs no compression work, dense16 no selection; AR-Topk keeps one index set for every rank).
+EXCHANGES: tuple[Exchange, ...] = ("dense", "dense16", "artopk", "agtopk")
+#: Bytes per value of ``dense16``'s allreduce.
+HALF_BYTES = 2
 
 ALGORITHMS: dict[CollectiveKind, tuple[str, ...]] = {
     "allreduce": ("ring", "tree"),
@@ -222,6 +225,11 @@ def dense_time(numel: int, world_size: int, params: CostParams, value_bytes: int
     return collective_time("allreduce", numel * value_bytes, world_size, params)
 
 
+def dense16_time(numel: int, world_size: int, params: CostParams) -> float:
+    """Dense16: ``allreduce(M * 2)``."""
+    return collective_time("allreduce", numel * HALF_BYTES, world_size, params)
+
+
 def agtopk_time(numel: int, density: float, world_size: int, params: CostParams, value_bytes: int = 4) -> float:
     """AG-Topk: ``allgather(k * (vb + 4))``, one packed message per rank."""
     k = k_for(numel, density)
@@ -241,6 +249,7 @@ def predict_exchange_times(
     """Predicted seconds of each exchange for one bucket, keyed in :data:`EXCHANGES` order."""
     return {
         "dense": dense_time(numel, world_size, params, value_bytes),
+        "dense16": dense16_time(numel, world_size, params),
         "artopk": artopk_time(numel, density, world_size, params, value_bytes),
         "agtopk": agtopk_time(numel, density, world_size, params, value_bytes),
     }
@@ -257,7 +266,7 @@ def cheapest_exchange(
     """The exchange with the smallest predicted time among ``candidates``.
 
     Deterministic: exact float comparison, and on a tie the candidate that comes first in
-    :data:`EXCHANGES` (dense, then artopk, then agtopk) wins, whatever order
+    :data:`EXCHANGES` (dense, dense16, artopk, agtopk) wins, whatever order
     ``candidates`` lists them in.
     """
     unknown = set(candidates) - set(EXCHANGES)

@@ -30,8 +30,13 @@ def exchange_dense(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
         done = clock.now(a.device)
         report_timings(job, Timings("allreduce", rec.bytes_sent, exchange=(started, done), network=(started, done)))
         if had_residual:
-            job.outcome.finite = finite = all_finite(total)
-            job.memory.forget_if(job.index, finite)
+            drop_sent_residual(job, total)
         return total
 
     return allreduce_sum(a, job.group).then(finish)
+
+
+def drop_sent_residual(job: BucketJob, update: torch.Tensor) -> None:
+    """The residual went out with this dense update: drop it once the update is known to be finite."""
+    job.outcome.finite = finite = all_finite(update)
+    job.memory.forget_if(job.index, finite)

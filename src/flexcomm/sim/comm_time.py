@@ -32,6 +32,7 @@ from flexcomm.cost.model import (
     agtopk_time,
     allreduce_time,
     artopk_time,
+    dense16_time,
     dense_time,
 )
 
@@ -79,6 +80,8 @@ def exchange_time(
     """Predicted seconds of one bucket's ``exchange`` (``density`` is unused by ``dense``)."""
     if exchange == "dense":
         return dense_time(numel, world_size, params, value_bytes)
+    if exchange == "dense16":
+        return dense16_time(numel, world_size, params)
     if exchange == "agtopk":
         return agtopk_time(numel, density, world_size, params, value_bytes)
     if exchange == "artopk":

@@ -9,6 +9,7 @@ buckets while backward runs), SGD step.  Side by side in one job per link (2 ran
 emulated hosts for a shaped link, :class:`flexcomm.netem.EmulatedCluster`):
 
 * ``plain_ddp``: no hook, DDP's own allreduce;
+* ``fp16_hook``: PyTorch's ``fp16_compress_hook`` (what flex's ``dense16`` sends);
 * ``agtopk``, ``artopk`` (STAR): flexcomm's compressors at ``--density``;
 * ``flex`` at ``--density``: first ``--flex-settle`` untimed steps (probes, agreements,
   exploration), then timed like the others.
@@ -35,14 +36,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flexcomm
 from common import (align, argument_parser, figure, finish_worker, init_worker, main_or_worker, max_over_ranks,
                     network, progress, run_job, save, write_csv)
 
-METHODS = ("plain_ddp", "agtopk", "artopk", "flex")
-COMPRESSOR = {"plain_ddp": None, "agtopk": "agtopk", "artopk": "artopk-star", "flex": "flex"}
+METHODS = ("plain_ddp", "fp16_hook", "agtopk", "artopk", "flex")
+COMPRESSOR = {"plain_ddp": None, "fp16_hook": None, "agtopk": "agtopk", "artopk": "artopk-star", "flex": "flex"}
 BATCH = 32
 BUCKET_CAP_MB = 20  # each 25 MB layer overflows it: one layer per bucket
 
@@ -62,7 +64,9 @@ def mlp(layers: int, width: int) -> nn.Module:
 def build(method: str, cfg: dict[str, Any]) -> tuple[DDP, torch.optim.Optimizer, flexcomm.FlexState | None]:
     model = DDP(mlp(cfg["layers"], cfg["width"]), bucket_cap_mb=BUCKET_CAP_MB, init_sync=False)
     state = None
-    if COMPRESSOR[method] is not None:
+    if method == "fp16_hook":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif COMPRESSOR[method] is not None:
         state = flexcomm.register(model, compressor=COMPRESSOR[method], density=cfg["density"])
     return model, torch.optim.SGD(model.parameters(), lr=1e-4), state
 
@@ -129,7 +133,7 @@ def prediction_rows(link: str, predictions: Sequence[Sequence[Any]]) -> list[dic
 
 def plot(rows: Sequence[dict[str, Any]], links: Sequence[str], path: Path) -> None:
     fig, axes = figure(1, len(links), figsize=(4.2 * len(links), 4))
-    colors = {"plain_ddp": "tab:blue", "agtopk": "tab:orange", "artopk": "tab:green", "flex": "tab:red"}
+    colors = {"plain_ddp": "tab:blue", "fp16_hook": "tab:purple", "agtopk": "tab:orange", "artopk": "tab:green", "flex": "tab:red"}
     for ax, link in zip(axes[0], links):
         mine = [r for r in rows if r["link"] == link]
         ax.bar([r["method"] for r in mine], [r["median_step_ms"] for r in mine],

@@ -122,3 +122,21 @@ def test_every_key_is_documented() -> None:
     keys = {**telemetry.step_metrics(_mixed_step()), **telemetry.flex_metrics(chooser),
             **telemetry.auto_metrics(controller)}
     assert all(f"``{key}``" in telemetry.__doc__ for key in keys)
+
+
+def test_write_scalars_reach_a_tensorboard_event_file(tmp_path) -> None:
+    pytest.importorskip("tensorboard", reason="needs the tensorboard extra: pip install flexcomm[tensorboard]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    state = flexcomm.FlexState(compressor="flex", density=0.01)
+    state.records.extend(_mixed_step(step=4) + _mixed_step(step=5))
+    with SummaryWriter(str(tmp_path)) as writer:
+        written = telemetry.write_scalars(writer, state)
+        telemetry.write_scalars(writer, state, global_step=99)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(written) == set(telemetry.step_metrics(_mixed_step(step=5)))
+    shares = events.Scalars("flexcomm/share_agtopk")
+    assert [(e.step, e.value) for e in shares] == [(5, pytest.approx(1 / 3)), (99, pytest.approx(1 / 3))]
+    assert events.Scalars("flexcomm/bytes_sent")[0].value == 4160

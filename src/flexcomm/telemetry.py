@@ -3,7 +3,8 @@
 Every value is this rank's own record of the step or a value every rank agreed on: building
 the dict issues no collective.  The integrations send rank 0's dict
 (:class:`flexcomm.lightning.FlexCommStrategy`, :func:`flexcomm.accelerate.register` with
-``log_every``); a plain script calls :meth:`flexcomm.FlexState.metrics`.
+``log_every``); a plain script calls :meth:`flexcomm.FlexState.metrics`, or
+:func:`write_scalars` to send them to a TensorBoard ``SummaryWriter``.
 
 Keys of the newest step (from its :class:`~flexcomm.BucketRecord` list; present once a step ran):
 
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flexcomm.exchange import DENSE_EXCHANGES
 from flexcomm.exchange import EXCHANGES as EXCHANGE_FUNCTIONS
@@ -83,6 +84,25 @@ def metrics(state: FlexState, records: Sequence[BucketRecord] | None = None) -> 
         **flex_metrics(state.chooser),
         **auto_metrics(state.controller),
     }
+
+
+class ScalarWriter(Protocol):
+    """What :func:`write_scalars` needs: ``torch.utils.tensorboard.SummaryWriter`` (or tensorboardX's) has it."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+
+
+def write_scalars(writer: ScalarWriter, state: FlexState, global_step: int | None = None) -> dict[str, float]:
+    """Write :func:`metrics` of ``state`` to ``writer``, one scalar per key; returns what was written.
+
+    ``global_step`` defaults to the hook's step of the newest records (``flexcomm/step``).
+    Call it on one rank (rank 0) every few steps, as a script calls ``add_scalar``.
+    """
+    values = metrics(state)
+    step = global_step if global_step is not None else values.get(PREFIX + "step")
+    for tag, value in values.items():
+        writer.add_scalar(tag, value, None if step is None else int(step))
+    return values
 
 
 def newest_step(records: Sequence[BucketRecord]) -> list[BucketRecord]:

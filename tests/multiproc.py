@@ -45,8 +45,11 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, out_dir: str, arg
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"{rank}.pt")
         if sync_exit:
-            # No rank tears the group down while another still talks to it.
-            dist.barrier()
+            # No rank tears the group down while another still talks to it.  On a group of
+            # its own: a hook state on the default group may still issue its step end's
+            # agreement from its dispatcher thread, and the two would pair up differently
+            # on different ranks ("Received data size doesn't match expected size").
+            dist.barrier(group=dist.new_group())
     finally:
         dist.destroy_process_group()
     # Result saved, group gone: leave without interpreter finalization.  A rank aborted

@@ -9,8 +9,16 @@ the final buckets, at step counter 1 onwards.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import random
+import subprocess
+import sys
+import threading
 import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +239,156 @@ def test_dispatcher_propagates_an_asynchronous_error() -> None:
     pending.set_exception(RuntimeError("timed out waiting for peer"))
     with pytest.raises(RuntimeError, match="timed out waiting for peer"):
         result.wait()
+
+
+def _recording(seen: list[tuple[int, threading.Thread]], i: int) -> Callable[[], torch.futures.Future]:
+    """A task that notes its number and thread, and returns a done future holding ``i``."""
+    def run() -> torch.futures.Future:
+        seen.append((i, threading.current_thread()))  # the thread object: its id cannot be reused
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(torch.tensor([i]))
+        return fut
+    return run
+
+
+def _wait_all(futures: list[torch.futures.Future], deadline_s: float = 60.0) -> list[int]:
+    """The futures' values; fails instead of hanging if one was stranded."""
+    deadline = time.monotonic() + deadline_s
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline, f"{sum(not f.done() for f in futures)} tasks never ran"
+        time.sleep(0.01)
+    return [int(f.value()) for f in futures]
+
+
+def _alive(name: str) -> bool:
+    return any(t.name == name for t in threading.enumerate())
+
+
+def _until_gone(name: str, deadline_s: float = 60.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while _alive(name):
+        assert time.monotonic() < deadline, f"worker {name} still running"
+        time.sleep(0.01)
+
+
+def test_one_worker_serves_submissions_with_gaps_between_them() -> None:
+    # As in backward: DDP hands a bucket over, the dispatcher drains it, the next one follows.
+    dispatcher = Dispatcher(idle_timeout=60.0)
+    seen: list[tuple[int, threading.Thread]] = []
+    values = []
+    for i in range(50):
+        values.append(int(dispatcher.submit(_recording(seen, i)).wait()))  # the queue is empty after each
+        time.sleep(0.001)
+    dispatcher.close()
+    assert values == list(range(50))
+    assert len({thread for _, thread in seen}) == 1
+
+
+def test_the_worker_ends_after_the_idle_timeout_and_a_new_one_takes_over() -> None:
+    dispatcher = Dispatcher(name="flexcomm-test-idle", idle_timeout=0.05)
+    seen: list[tuple[int, threading.Thread]] = []
+    assert int(dispatcher.submit(_recording(seen, 0)).wait()) == 0
+    _until_gone("flexcomm-test-idle")
+    assert int(dispatcher.submit(_recording(seen, 1)).wait()) == 1
+    assert seen[0][1] is not seen[1][1]
+    _until_gone("flexcomm-test-idle")
+    dispatcher.close()  # with no worker: returns at once
+
+
+def test_an_idle_worker_holds_no_task() -> None:
+    # A task holds its state and bucket; an idle worker must not keep them alive.
+    class Task:
+        def __call__(self) -> torch.futures.Future:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(torch.zeros(1))
+            return done
+
+    dispatcher = Dispatcher(name="flexcomm-test-holds", idle_timeout=3600.0)
+    task = Task()
+    held = weakref.ref(task)
+    dispatcher.submit(task).wait()
+    del task
+    deadline = time.monotonic() + 30.0
+    while held() is not None:  # the worker may still be on its way back from the task
+        assert time.monotonic() < deadline, "the idle worker still holds the task"
+        time.sleep(0.01)
+    assert _alive("flexcomm-test-holds")
+    dispatcher.close()
+
+
+def test_close_ends_an_idle_worker_at_once_and_later_tasks_still_run() -> None:
+    dispatcher = Dispatcher(name="flexcomm-test-close", idle_timeout=3600.0)
+    seen: list[tuple[int, threading.Thread]] = []
+    assert int(dispatcher.submit(_recording(seen, 0)).wait()) == 0
+    assert _alive("flexcomm-test-close")  # waiting for the next task
+    dispatcher.close()
+    assert not _alive("flexcomm-test-close")  # close() waited for it to end
+    assert int(dispatcher.submit(_recording(seen, 1)).wait()) == 1
+    _until_gone("flexcomm-test-close")  # after close a worker ends on an empty queue
+
+
+def test_submissions_racing_the_idle_timeout_run_once_each_in_order() -> None:
+    # Gaps around the idle timeout: many submissions land while the worker decides to end.
+    timeout = 0.003
+    rng = random.Random(21)
+    dispatcher = Dispatcher(idle_timeout=timeout)
+    seen: list[tuple[int, threading.Thread]] = []
+    futures = []
+    for i in range(400):
+        futures.append(dispatcher.submit(_recording(seen, i)))
+        time.sleep(rng.uniform(0.3, 1.7) * timeout)
+    assert _wait_all(futures) == list(range(400))
+    assert [i for i, _ in seen] == list(range(400))
+    assert len({thread for _, thread in seen}) > 1  # workers did end and hand over
+
+
+def _submit_in_child(dispatcher: Dispatcher) -> None:
+    values = _wait_all([dispatcher.submit(_recording([], 7))], deadline_s=30.0)
+    os._exit(0 if values == [7] else 1)
+
+
+def test_a_forked_child_starts_its_own_worker() -> None:
+    # The parent's worker is idle at the fork; the child has the dispatcher but not the thread.
+    dispatcher = Dispatcher(idle_timeout=60.0)
+    dispatcher.submit(_recording([], 0)).wait()
+    child = multiprocessing.get_context("fork").Process(target=_submit_in_child, args=(dispatcher,))
+    child.start()
+    child.join(60.0)
+    dispatcher.close()
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+
+
+EXITS_WITHOUT_CLOSE = """
+import atexit, threading
+
+ran = []
+
+def report() -> None:  # registered before flexcomm's hook, so it runs after it (atexit is LIFO)
+    print("ran:", len(ran), "workers at exit:", [t.name for t in threading.enumerate() if t.name.startswith("exit-test")], flush=True)
+
+atexit.register(report)
+import torch
+from flexcomm.comm import Dispatcher
+
+def task() -> torch.futures.Future:
+    done = torch.futures.Future()
+    done.set_result(torch.ones(1000, 1000).sum())  # C++ work, as a bucket's task does
+    ran.append(1)
+    return done
+
+print("result:", int(Dispatcher("exit-test-idle").submit(task).wait()), flush=True)  # then idle at exit
+busy = Dispatcher("exit-test-busy")
+for _ in range(20):
+    busy.submit(task)  # still running at exit
+"""
+
+
+def test_a_process_exits_cleanly_with_workers_idle_or_busy_and_no_close() -> None:
+    # The old dispatcher aborted here most times ("terminate called without an active exception").
+    src = str(Path(flexcomm.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["result: 1000000", "ran: 21 workers at exit: []"]

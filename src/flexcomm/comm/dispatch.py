@@ -19,11 +19,19 @@ future with the exception (DDP re-raises it from backward).  After the first err
 later task fails at once with a message naming it: the ranks are out of step from there
 on, and a collective would only wait for its timeout.  A peer that died makes the
 pending collective fail within the process group's timeout; nothing here waits longer.
+
+Lifetime: the worker waits :data:`IDLE_TIMEOUT_S` for the next task, so the buckets of a
+step (and consecutive steps) share one thread instead of starting one per bucket.  It
+ends after that long idle, or once the queue is empty after :meth:`Dispatcher.close`,
+which an atexit hook calls for every dispatcher.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -31,25 +39,39 @@ import torch
 
 Task = Callable[[], torch.futures.Future]
 
+# How long an idle worker waits for the next task before it ends.  Longer than the gaps
+# that should not cost a thread start -- between the buckets of one backward
+# (milliseconds) and between steps (forward, optimizer step) -- even on a loaded machine;
+# short enough that a state gone quiet (evaluation, a discarded model) frees its thread soon.
+IDLE_TIMEOUT_S = 2.0
+
 
 class Dispatcher:
     """Runs submitted tasks one at a time, in submission order, on a worker thread.
 
-    The worker starts when a task arrives and ends as soon as the queue is empty, so no
-    thread outlives the step's last bucket.  A thread left waiting at interpreter exit is
-    not harmless: a daemon thread that comes back from C++ (a collective's wait, a
+    The worker starts when a task arrives and waits on a condition for the next one.
+    Order stays total because a worker decides to end under the lock, on an empty queue,
+    and gives up its turn there; a task submitted after that starts the next worker.
+    At interpreter exit a daemon thread that comes back from C++ (a collective's wait, a
     tensor op) after finalization began is torn down inside C++ frames, and the process
     aborts with "terminate called without an active exception" (pytorch/pytorch#38228).
-    Order stays total because a new worker starts only after the previous one has, under
-    the lock, found the queue empty and given up its turn.
+    Waiting in a Python-level lock is safe there, but a task is not, so an atexit hook
+    closes every dispatcher: no worker is left when finalization begins.
     """
 
-    def __init__(self, name: str = "flexcomm-dispatch") -> None:
+    def __init__(self, name: str = "flexcomm-dispatch", idle_timeout: float = IDLE_TIMEOUT_S) -> None:
         self._name = name
+        self._idle_timeout = idle_timeout
         self._tasks: deque[tuple[Task, torch.futures.Future]] = deque()
-        self._lock = threading.Lock()
-        self._running = False
+        self._closed = False
+        self._reset_worker()
         self.failure: BaseException | None = None
+        _LIVE.add(self)
+
+    def _reset_worker(self) -> None:
+        """No worker: also in a forked child, which inherits neither the parent's thread nor its lock's state."""
+        self._wake = threading.Condition()
+        self._worker: threading.Thread | None = None
 
     def submit(self, task: Task, devices: list[torch.device] | None = None) -> torch.futures.Future:
         """Queue ``task``; the returned future completes with the value of the future ``task`` returns.
@@ -58,33 +80,59 @@ class Dispatcher:
         its stream with the events recorded when the value is set (none for CPU values).
         """
         result: torch.futures.Future = torch.futures.Future(devices=devices or [])
-        with self._lock:
+        with self._wake:
             self._tasks.append((task, result))
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._drain, name=self._name, daemon=True).start()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._drain, name=self._name, daemon=True)
+                self._worker.start()
+            self._wake.notify()
         return result
 
+    def close(self) -> None:
+        """Let the worker end once the queue is empty, and wait until it has.
+
+        At interpreter exit a worker still inside a task would come back from C++ during
+        finalization (see the class docstring), so the queued tasks are run first.  A
+        collective whose peer died fails within the process group's timeout, and every
+        later task at once after it.  Later submissions still run, each worker ending on an
+        empty queue.
+        """
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+            worker = self._worker
+        if worker is not None:
+            worker.join()
+
     def _next(self) -> tuple[Task, torch.futures.Future] | None:
-        """The oldest queued task, or None after giving up the worker's turn on an empty queue."""
-        with self._lock:
+        """The oldest queued task, once one comes; None after giving up the worker's turn."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._tasks or self._closed, self._idle_timeout)
             if self._tasks:
                 return self._tasks.popleft()
-            self._running = False
+            self._worker = None
             return None
 
     def _drain(self) -> None:
-        while (queued := self._next()) is not None:
-            task, result = queued
-            if self.failure is not None:
-                result.set_exception(RuntimeError(f"flexcomm: an earlier exchange failed, so this one was not started: {self.failure!r}"))
-                continue
-            try:
-                issued = task()
-            except BaseException as err:  # noqa: BLE001 - every error goes to the bucket's future
-                self._fail(err, result)
-                continue
-            issued.add_done_callback(lambda fut, result=result: self._forward(fut, result))
+        while self._run_next():
+            pass
+
+    def _run_next(self) -> bool:
+        """Run the next task; False once the worker gave up its turn.  Its own frame, so that an
+        idle worker holds no task, bucket or result."""
+        if (queued := self._next()) is None:
+            return False
+        task, result = queued
+        if self.failure is not None:
+            result.set_exception(RuntimeError(f"flexcomm: an earlier exchange failed, so this one was not started: {self.failure!r}"))
+            return True
+        try:
+            issued = task()
+        except BaseException as err:  # noqa: BLE001 - every error goes to the bucket's future
+            self._fail(err, result)
+            return True
+        issued.add_done_callback(lambda fut, result=result: self._forward(fut, result))
+        return True
 
     def _forward(self, issued: torch.futures.Future, result: torch.futures.Future) -> None:
         try:
@@ -98,3 +146,23 @@ class Dispatcher:
         if self.failure is None:
             self.failure = err
         result.set_exception(err)
+
+
+# Every dispatcher, weakly: one with a worker stays alive through the worker's reference.
+_LIVE: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit (after non-daemon threads were joined, before finalization)."""
+    for dispatcher in list(_LIVE):
+        dispatcher.close()
+
+
+def _reset_in_child() -> None:
+    for dispatcher in list(_LIVE):
+        dispatcher._reset_worker()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_reset_in_child)

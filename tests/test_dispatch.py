@@ -392,3 +392,25 @@ def test_a_process_exits_cleanly_with_workers_idle_or_busy_and_no_close() -> Non
     done = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["result: 1000000", "ran: 21 workers at exit: []"]
+
+
+EXITS_WITH_A_STUCK_TASK = """
+import threading, time
+from flexcomm.comm import dispatch
+
+dispatch.EXIT_WAIT_S = 0.5
+never = threading.Event()
+dispatcher = dispatch.Dispatcher()
+dispatcher.submit(lambda: never.wait())  # a task that never returns, like a collective whose peer died
+time.sleep(0.1)
+dispatch._close_all()
+print("gave up; worker still in its task:", any(t.name == "flexcomm-dispatch" for t in threading.enumerate()))
+"""
+
+
+def test_exit_waits_a_bounded_time_for_a_task_that_never_returns() -> None:
+    src = str(Path(flexcomm.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", EXITS_WITH_A_STUCK_TASK], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "gave up; worker still in its task: True"

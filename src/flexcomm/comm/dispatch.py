@@ -23,7 +23,7 @@ pending collective fail within the process group's timeout; nothing here waits l
 Lifetime: the worker waits :data:`IDLE_TIMEOUT_S` for the next task, so the buckets of a
 step (and consecutive steps) share one thread instead of starting one per bucket.  It
 ends after that long idle, or once the queue is empty after :meth:`Dispatcher.close`,
-which an atexit hook calls for every dispatcher.
+which an atexit hook calls for every dispatcher, waiting at most :data:`EXIT_WAIT_S` for it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ Task = Callable[[], torch.futures.Future]
 # (milliseconds) and between steps (forward, optimizer step) -- even on a loaded machine;
 # short enough that a state gone quiet (evaluation, a discarded model) frees its thread soon.
 IDLE_TIMEOUT_S = 2.0
+# How long interpreter exit waits for a worker still inside a task.  A collective whose peer
+# died only fails at the process group's timeout (30 min by default): exit gives up sooner,
+# and a worker still inside C++ then may abort the process as before (pytorch/pytorch#38228).
+EXIT_WAIT_S = 30.0
 
 
 class Dispatcher:
@@ -88,8 +92,8 @@ class Dispatcher:
             self._wake.notify()
         return result
 
-    def close(self) -> None:
-        """Let the worker end once the queue is empty, and wait until it has.
+    def close(self, timeout: float | None = None) -> None:
+        """Let the worker end once the queue is empty, and wait until it has (at most ``timeout`` seconds).
 
         At interpreter exit a worker still inside a task would come back from C++ during
         finalization (see the class docstring), so the queued tasks are run first.  A
@@ -102,7 +106,7 @@ class Dispatcher:
             self._wake.notify()
             worker = self._worker
         if worker is not None:
-            worker.join()
+            worker.join(timeout)
 
     def _next(self) -> tuple[Task, torch.futures.Future] | None:
         """The oldest queued task, once one comes; None after giving up the worker's turn."""
@@ -156,7 +160,7 @@ _LIVE: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 def _close_all() -> None:
     """At interpreter exit (after non-daemon threads were joined, before finalization)."""
     for dispatcher in list(_LIVE):
-        dispatcher.close()
+        dispatcher.close(EXIT_WAIT_S)
 
 
 def _reset_in_child() -> None:

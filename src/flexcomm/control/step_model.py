@@ -32,11 +32,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-#: Every exchange, in tie-break order: on an equal step the earlier wins (dense needs no local
-#: work, dense16 no selection).
-EXCHANGE_ORDER = ("dense", "dense16", "artopk", "agtopk")
+from flexcomm.cost import DENSE_EXCHANGES, EXCHANGES
+
+#: Every exchange, in the cost model's tie-break order: on an equal step the earlier wins.
+EXCHANGE_ORDER = EXCHANGES
 #: The exchanges that select k elements (the others send the whole bucket).
-SPARSE = ("artopk", "agtopk")
+SPARSE = tuple(e for e in EXCHANGES if e not in DENSE_EXCHANGES)
 
 
 @dataclass(frozen=True)

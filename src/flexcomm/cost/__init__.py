@@ -8,6 +8,7 @@ from flexcomm.cost.estimator import (
     merge_observations,
 )
 from flexcomm.cost.model import (
+    DENSE_EXCHANGES,
     EXCHANGES,
     GLOO_ALGORITHMS,
     HALF_BYTES,
@@ -31,6 +32,7 @@ from flexcomm.cost.model import (
 
 __all__ = [
     "DEFAULT_PRIOR",
+    "DENSE_EXCHANGES",
     "EXCHANGES",
     "GLOO_ALGORITHMS",
     "HALF_BYTES",

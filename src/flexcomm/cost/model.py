@@ -77,6 +77,8 @@ KINDS: tuple[CollectiveKind, ...] = ("allreduce", "allgather", "broadcast")
 #: Tie-break order of :func:`cheapest_exchange`: on equal predicted time the earlier wins
 #: (dense needs no compression work, dense16 no selection; AR-Topk keeps one index set for every rank).
 EXCHANGES: tuple[Exchange, ...] = ("dense", "dense16", "artopk", "agtopk")
+#: The exchanges that send every element (no selection; the bucket is compensated in place).
+DENSE_EXCHANGES: frozenset[Exchange] = frozenset({"dense", "dense16"})
 #: Bytes per value of ``dense16``'s allreduce.
 HALF_BYTES = 2
 

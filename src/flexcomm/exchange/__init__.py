@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from flexcomm.cost.model import DENSE_EXCHANGES
 from flexcomm.exchange.allgather import exchange_allgather
 from flexcomm.exchange.artopk import exchange_artopk
 from flexcomm.exchange.dense import exchange_dense
@@ -28,8 +29,5 @@ EXCHANGES: dict[str, Callable[[BucketJob], torch.futures.Future]] = {
     "agtopk": exchange_allgather,
     "artopk": exchange_artopk,
 }
-
-#: The exchanges that send every element (no selection; the bucket is compensated in place).
-DENSE_EXCHANGES = frozenset({"dense", "dense16"})
 
 __all__ = ["DENSE_EXCHANGES", "EXCHANGES", "LEADER_POLICIES", "BucketJob", "GradientStatistic", "LeaderPolicy", "RoundRobin", "make_leader_policy"]

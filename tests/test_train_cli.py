@@ -53,6 +53,7 @@ def out(tmp_path: Path) -> list[str]:
         (["--momentum", "1.2"], "argument --momentum: must be in [0, 1], got 1.2"),
         (["--target-acc", "2"], "argument --target-acc: must be in (0, 1], got 2"),
         (["--width", "0"], "argument --width: must be in (0, inf), got 0"),
+        (["--auto-min-gain", "1.5"], "argument --auto-min-gain: must be in [0, 1], got 1.5"),
         (["--net", "1gbit,100mbit"], "argument --net: phase '1gbit' has no duration but is not the last phase"),
         (["--net", "fast:10s"], "argument --net: bad rate 'fast'"),
         (["--steps", "5", "--epochs", "1"], "argument --epochs: not allowed with argument --steps"),

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--density auto: least steps between gain measurements (default: %(default)s)")
     comm.add_argument("--auto-rule", choices=RULES, default=_DEFAULTS.auto_rule,
                       help="--density auto: how a point of the Pareto front is picked (default: %(default)s)")
+    comm.add_argument("--auto-min-gain", type=_float_in(0.0, 1.0, low_open=False), default=_DEFAULTS.auto_min_gain, metavar="G",
+                      help="--density auto: the accuracy floor, no density whose measured gain (the share of "
+                           "the error-corrected gradient's norm it sends) is below G; 0: off (default: %(default)s)")
 
     run = parser.add_argument_group("cluster")
     run.add_argument("--nproc", type=_int_at_least(1), default=_DEFAULTS.nproc, metavar="N",
@@ -288,6 +291,7 @@ def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
         auto_warmup=args.auto_warmup,
         auto_every=args.auto_every,
         auto_rule=args.auto_rule,
+        auto_min_gain=args.auto_min_gain,
         powersgd_rank=(args.powersgd_rank or 1) if args.compressor == "powersgd" else None,
         nproc=args.nproc,
         net=net,

@@ -49,6 +49,7 @@ class TrainConfig:
     auto_warmup: int = 0  # --density auto: the controller's warm-up, measurement interval and rule
     auto_every: int = 50
     auto_rule: str = "goodput"
+    auto_min_gain: float = 0.7
     powersgd_rank: int | None = None
     nproc: int = 2
     net: str = "auto"

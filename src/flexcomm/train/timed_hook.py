@@ -204,7 +204,8 @@ def _make_state(cfg: TrainConfig) -> Any:
         raise ValueError(f"--compressor {cfg.compressor} needs a --density")
     controller = None
     if cfg.density == "auto":
-        controller = DensityController(rule=cfg.auto_rule, warmup_steps=cfg.auto_warmup, measure_every=cfg.auto_every)
+        controller = DensityController(rule=cfg.auto_rule, warmup_steps=cfg.auto_warmup, measure_every=cfg.auto_every,
+                                       min_gain=cfg.auto_min_gain)
     # A group of the hook's own (every rank builds it here, at the same point): flex's agreement
     # allreduce is issued when a step's last bucket is, and on DDP's group it would race DDP's
     # broadcast of BatchNorm buffers at the next forward ("Received data size doesn't match").

@@ -38,6 +38,8 @@ from flexcomm.train.records import read_records  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Share of the run counted as start-up when judging memory growth.
 STEADY_AFTER = 0.25
+#: The issue's goal: resident memory flat within this much per rank over the steady window.
+FLAT_MB = 1.0
 SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
 
 
@@ -118,10 +120,15 @@ def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashe
             slope = float(np.polyfit([s["t_s"] for s in steady], [s["rss_mb"] for s in steady], 1)[0])
         else:
             slope = float("nan")
+        # Growth over the window from the fitted line (one sample's noise does not decide it).
+        fitted = slope * (steady[-1]["t_s"] - steady[0]["t_s"])
         growth[rank] = {"first_mb": mine[0]["rss_mb"], "last_mb": mine[-1]["rss_mb"],
                         "max_mb": max(s["rss_mb"] for s in mine), "steady_from_s": steady[0]["t_s"],
                         "steady_growth_mb": steady[-1]["rss_mb"] - steady[0]["rss_mb"],
-                        "steady_slope_mb_per_min": slope * 60}
+                        "steady_range_mb": max(s["rss_mb"] for s in steady) - min(s["rss_mb"] for s in steady),
+                        "steady_fitted_growth_mb": fitted,
+                        "steady_slope_mb_per_min": slope * 60,
+                        f"flat_within_{FLAT_MB:g}_mb": bool(abs(fitted) <= FLAT_MB)}
     network = args.out / "network.json"
     return {
         "command": "python benchmarks/soak.py --minutes %g" % args.minutes,
@@ -157,16 +164,25 @@ def _head() -> str | None:
 
 
 def _plot(samples: list[dict[str, float]], summary: dict) -> None:
-    fig, ax = plt.subplots(figsize=(8, 4))
+    """Left: resident memory per rank over the run; right: its change over the steady window."""
+    fig, (whole, steady_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    steady_from = min(g["steady_from_s"] for g in summary["memory_per_rank"].values())
     for rank in sorted({int(s["rank"]) for s in samples}):
         mine = [s for s in samples if s["rank"] == rank]
-        ax.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], label=f"rank {rank}")
-    steady_from = min(g["steady_from_s"] for g in summary["memory_per_rank"].values()) / 60
-    ax.axvline(steady_from, color="gray", linestyle=":", label="steady state from here")
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("resident memory (MB)")
-    ax.set_title(f"soak: 4 ranks, flex + density auto, changing bandwidth; {summary['steps_completed']} steps")
-    ax.legend()
+        whole.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], label=f"rank {rank}")
+        steady = [s for s in mine if s["t_s"] >= steady_from]
+        if steady:
+            growth = summary["memory_per_rank"][rank]["steady_fitted_growth_mb"]
+            steady_ax.plot([s["t_s"] / 60 for s in steady], [s["rss_mb"] - steady[0]["rss_mb"] for s in steady],
+                           label=f"rank {rank}: {growth:+.2f} MB fitted")
+    whole.axvline(steady_from / 60, color="gray", linestyle=":", label="steady window from here")
+    whole.set(xlabel="minutes", ylabel="resident memory (MB)",
+              title=f"4 ranks, flex + density auto, changing bandwidth; {summary['steps_completed']} steps")
+    steady_ax.axhspan(-FLAT_MB, FLAT_MB, color="green", alpha=0.1, label=f"goal: within {FLAT_MB:g} MB")
+    steady_ax.set(xlabel="minutes", ylabel="MB since the steady window began", title="steady window")
+    for ax in (whole, steady_ax):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "soak.png", dpi=120)
 

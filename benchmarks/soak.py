@@ -1,6 +1,7 @@
 """Soak run: 4 ranks on the emulated network for a long time, bandwidth changing throughout.
 
     sudo .venv/bin/python benchmarks/soak.py                 # 20 minutes (the issue's minimum)
+    sudo .venv/bin/python benchmarks/soak.py --minutes 60    # the elastic issue's hour
     sudo .venv/bin/python benchmarks/soak.py --minutes 2     # a short check
 
 Starts ``flexcomm-train`` with the adaptive engine on (ResNet-18 x0.125, ``--compressor
@@ -40,7 +41,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEADY_AFTER = 0.25
 #: The issue's goal: resident memory flat within this much per rank over the steady window.
 FLAT_MB = 1.0
-SCHEDULE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s," * 6 + "1gbit"
+#: One cycle of the link's bandwidth, repeated for the whole run.
+CYCLE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s,"
+CYCLE_MINUTES = 4
+
+
+def schedule(minutes: float) -> str:
+    """The bandwidth schedule: the cycle repeated past ``minutes``, so the link changes throughout."""
+    return CYCLE * (math.ceil(minutes / CYCLE_MINUTES) + 1) + "1gbit"
+
 
 
 def rss_mb(pid: int) -> float | None:
@@ -67,7 +76,7 @@ def main() -> None:
     argv = [str(train), "--model", "resnet18", "--nproc", "4", "--compressor", "flex", "--density", "auto",
             # The density controller decides every 20 steps after 20 dense ones: many decisions in the soak.
             "--auto-warmup", "20", "--auto-every", "20",
-            "--net", SCHEDULE, "--steps", "1000000", "--eval-every", "100", "--test-subset", "500",
+            "--net", schedule(args.minutes), "--steps", "1000000", "--eval-every", "100", "--test-subset", "500",
             "--checkpoint-every", "100", "--timeout", "120", "--no-report", "--out", str(args.out)]
     started = time.monotonic()
     # The job's output goes to a file: a pipe nobody reads fills up after ~64 KB of progress

@@ -29,7 +29,7 @@ dist.all_reduce(t)
 print(json.dumps({k: os.environ.get(k) for k in
       ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT",
-       "EXTRA", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")} | {"sum": t.item()}), flush=True)
+       "EXTRA", "MALLOC_MMAP_THRESHOLD_", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")} | {"sum": t.item()}), flush=True)
 dist.destroy_process_group()
 """
 
@@ -62,7 +62,14 @@ def test_loopback_ranks_form_a_group_with_torchrun_env() -> None:
         assert rep["GLOO_SOCKET_IFNAME"] == rep["NCCL_SOCKET_IFNAME"] == "lo"
         assert rep["OMP_NUM_THREADS"] == "1"
         assert rep["EXTRA"] == "x"
+        assert rep["MALLOC_MMAP_THRESHOLD_"] == "131072"  # fixed, so long runs stay flat in memory
     assert reports[0]["MASTER_PORT"] == reports[1]["MASTER_PORT"]
+
+
+def test_the_users_malloc_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    done = run_ranks(None, 2, [sys.executable, "-c", ALLREDUCE], timeout=120)
+    assert [rep["MALLOC_MMAP_THRESHOLD_"] for rep in _reports(done)] == ["65536", "65536"]
 
 
 def test_a_failing_rank_stops_the_others_and_reports_its_stderr() -> None:

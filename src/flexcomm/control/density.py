@@ -88,8 +88,10 @@ from typing import Any
 
 RULES = ("goodput", "tta", "near-fastest", "asf", "min-time", "knee")
 DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
-#: How many of the newest decisions the controller keeps (and checkpoints).
-DECISION_LOG = 1000
+#: How many of the newest decisions the controller keeps (and checkpoints).  One decision
+#: with six candidates is ~1.3 KB of Python objects (tracemalloc): 1000 of them would grow a long run by
+#: ~1.3 MB, in a soak over its first hour; the step records carry the density of every step anyway.
+DECISION_LOG = 128
 
 
 @dataclass(frozen=True)

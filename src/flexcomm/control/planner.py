@@ -81,7 +81,10 @@ from flexcomm.control.step_log import LocalSample, StepLog, sample_from_row, sam
 from flexcomm.cost import CostEstimator, Observation
 
 
-PREDICTION_LOG = 10_000
+#: How many of the newest agreed (exchange, predicted, measured) pairs ``prediction_log``
+#: keeps.  Each is ~130 bytes of Python objects; 10,000 of them took a long run's first
+#: 10,000 samples to fill and read as 1-2 MB of growth per rank (benchmarks/memory_growth.py).
+PREDICTION_LOG = 2_000
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import runs
 from common import figure, save, write_csv
 from runs import RESULTS, Run, Spec, fmt, load, md_table, time_to_target
 
+from flexcomm.control.density import RULES
 from flexcomm.train.records import FINAL_EVALS
 
 FULL_TEST_SET = 10_000
@@ -66,15 +67,16 @@ GROUPS = {
 }
 
 
-def specs(group: Group, seeds: Sequence[int]) -> list[Spec]:
-    methods = STATICS + ADAPTIVE
+def specs(group: Group, seeds: Sequence[int], other_rules: Sequence[str] = ()) -> list[Spec]:
+    """Every method per seed; ``other_rules``: flex + auto runs with ``--auto-rule`` besides the default."""
+    methods = [(c, d, None) for c, d in STATICS + ADAPTIVE] + [("flex", "auto", rule) for rule in other_rules]
     out = []
     for seed in seeds:
         turn = seed % len(methods)
-        for compressor, density in methods[turn:] + methods[:turn]:
+        for compressor, density, rule in methods[turn:] + methods[:turn]:
             out.append(Spec(group.model, compressor, density, powersgd_rank=4 if compressor == "powersgd" else None,
                             steps=group.steps, net=group.net, seed=seed, eval_every=group.eval_every,
-                            test_subset=FULL_TEST_SET, app_defaults=True))
+                            test_subset=FULL_TEST_SET, app_defaults=True, auto_rule=rule))
     return out
 
 
@@ -82,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--group", choices=sorted(GROUPS), default="mlp")
     ap.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default: %(default)s)")
+    ap.add_argument("--also-rule", action="append", default=[], choices=RULES, metavar="RULE",
+                    help="also run flex + auto with --auto-rule RULE (repeatable; tabulated beside the default)")
     ap.add_argument("--report-only", action="store_true", help="run nothing; tabulate the runs there are")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = ap.parse_args()
@@ -90,7 +94,7 @@ def main() -> None:
     except ValueError:
         ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     group = GROUPS[args.group]
-    todo = specs(group, seeds)
+    todo = specs(group, seeds, args.also_rule)
     if args.dry_run:
         for s in todo:
             print(("[done] " if runs.done(s) else "") + s.pretty_command())
@@ -99,7 +103,7 @@ def main() -> None:
         runner = runs.Runner(f"adaptive {args.group}")
         runner.run_all(todo)
         print(runner.account())
-    report(args.group, [r for r in (load(s) for s in todo) if r is not None])
+    report(args.group, [r for r in (load(s) for s in todo) if r is not None], args.also_rule)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -146,7 +150,7 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for seed in sorted({r["seed"] for r in rows}):
         by = {r["method"]: r for r in rows if r["seed"] == seed}
-        statics = {m: r["time_to_target_s"] for m, r in by.items() if m not in (AUTO, FLEX_FIXED)
+        statics = {m: r["time_to_target_s"] for m, r in by.items() if not m.startswith("flex ")
                    and r["time_to_target_s"] is not None}
         fastest = min(statics, key=statics.get) if statics else None
         auto, flex = by.get(AUTO, {}), by.get(FLEX_FIXED, {})
@@ -158,6 +162,11 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "auto_minus_dense_equal_time_pp": _gap(auto.get("accuracy_at_auto_time"),
                                                    by.get("dense", {}).get("accuracy_at_auto_time")),
             "flex001_over_best_fixed": _ratio(flex.get("time_to_target_s"), min(pair) if pair else None),
+            # flex + auto under another --auto-rule (--also-rule), against the same statics.
+            **{f"{m} / fastest static": _ratio(r["time_to_target_s"], statics.get(fastest))
+               for m, r in by.items() if m.startswith(AUTO + " ")},
+            **{f"{m} - dense, points": _gap(r["final_accuracy"], by.get("dense", {}).get("final_accuracy"))
+               for m, r in by.items() if m.startswith(AUTO + " ")},
         })
     return out
 
@@ -178,14 +187,14 @@ def _summary(values: list[float | None]) -> str:
     return text if len(present) == len(values) else f"{text}, reached {len(present)}/{len(values)}"
 
 
-def report(name: str, loaded: list[Run]) -> None:
+def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> None:
     dense = {r.spec.seed: r for r in loaded if r.spec.compressor == "dense"}
     auto_time = {r.spec.seed: sum(x["t_step"] for x in r.records) for r in loaded if method_of(r) == AUTO}
     rows = [row_of(r, _target(dense.get(r.spec.seed)), auto_time.get(r.spec.seed)) for r in loaded]
     write_csv(RESULTS / f"adaptive_{name}.csv", rows, float_format=".6g")
     per_seed = goals(rows)
     methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
-    methods.sort(key=lambda m: (m in (FLEX_FIXED, AUTO), m))
+    methods.sort(key=lambda m: (m.startswith("flex "), m))
     table = md_table(
         ["method", "time to target s", f"final acc (last {FINAL_EVALS})", "acc when auto ended", "step ms", "density",
          "switches/100"],
@@ -201,9 +210,16 @@ def report(name: str, loaded: list[Run]) -> None:
     ratios = [g["auto_over_fastest"] for g in per_seed if g["auto_over_fastest"] is not None]
     headline = (f"auto / fastest static: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f} over "
                 f"{len(ratios)} seeds (reached in {len(ratios)}/{len(per_seed)})") if ratios else "auto never reached the target"
+    for other in sorted({k for g in per_seed for k in g if k.endswith(" / fastest static")}):
+        method = other.removesuffix(" / fastest static")
+        over = [g[other] for g in per_seed if g.get(other) is not None]
+        gaps = [g[f"{method} - dense, points"] for g in per_seed if g.get(f"{method} - dense, points") is not None]
+        headline += (f"; {method}: median {statistics.median(over):.2f}, worst {max(over):.2f} (reached in "
+                     f"{len(over)}/{len(per_seed)}), final accuracy vs dense {statistics.fmean(gaps):+.1f} points"
+                     if over else f"; {method} never reached the target")
     group = GROUPS[name]
     text = (f"# Adaptive engine end to end: {group.model}, 2 ranks, {group.steps} steps, link {group.net}\n\n"
-            f"Command: `python benchmarks/adaptive_e2e.py --group {name}`; target 0.95 x dense's best per seed; "
+            f"Command: `python benchmarks/adaptive_e2e.py --group {name}{''.join(' --also-rule ' + r for r in other_rules)}`; target 0.95 x dense's best per seed; "
             f"full test set every {group.eval_every} steps.\n\n{headline}\n\n{table}\n\n{goal_table}\n")
     (RESULTS / f"adaptive_{name}.md").write_text(text)
     print(text)

@@ -94,7 +94,7 @@ class Spec:
     eval_every: int = EVAL_EVERY
     auto_rule: str | None = None  # --auto-rule; None: flexcomm-train's default (of the day the run ran)
     test_subset: int = TEST_SUBSET  # 10000: the full Fashion-MNIST test set
-    app_defaults: bool = False  # density="auto" as a user runs it: no --auto-* flag at all
+    app_defaults: bool = False  # density="auto" as a user runs it: no --auto-* flag but auto_rule's
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # -- resolved settings -----------------------------------------------------------------------
@@ -142,6 +142,8 @@ class Spec:
             a += ["--auto-warmup", str(warmup), "--auto-every", str(self.auto_every)]
             if self.auto_rule is not None:
                 a += ["--auto-rule", self.auto_rule]
+        elif self.density == "auto" and self.auto_rule is not None:  # the app's defaults but one
+            a += ["--auto-rule", self.auto_rule]
         if self.compressor == "powersgd":
             a += ["--powersgd-rank", str(self.powersgd_rank or 1)]
         return a

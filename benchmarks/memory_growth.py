@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/memory_growth.py                          # the default bisection
     .venv/bin/python benchmarks/memory_growth.py --configs flex:auto --steps 6000 --trim
     .venv/bin/python benchmarks/memory_growth.py --configs flex:auto --env MALLOC_ARENA_MAX=2
+    .venv/bin/python benchmarks/memory_growth.py --configs flex:0.01,flex:auto --steps 16000 \
+        --checkpoint-every 100 --compare-env MALLOC_MMAP_THRESHOLD_=131072   # the launcher's setting vs none
 
 What it measures: for each configuration (``none`` = plain DDP without a hook, else
 ``COMPRESSOR:DENSITY`` through :func:`flexcomm.register`, DENSITY a number or ``auto``),
@@ -14,7 +16,8 @@ calls glibc's ``malloc_trim(0)``, which returns free heap pages to the system, s
 left after trimming is live memory (a leak), growth that trimming removes is free memory
 the allocator kept (fragmentation).  ``--env NAME=VALUE`` sets glibc malloc tunables in the
 ranks, e.g. ``MALLOC_ARENA_MAX=2`` (fewer per-thread arenas) or ``MALLOC_MMAP_THRESHOLD_=131072``
-(large blocks always mmapped, so freeing them returns them to the system).  ``--checkpoint-every``
+(large blocks always mmapped, so freeing them returns them to the system); ``--compare-env
+NAME=VALUE`` runs every configuration twice, without and with that setting, side by side.  ``--checkpoint-every``
 adds what an app's checkpoint does (state dicts of model, optimizer and hook, serialized
 in memory).  Each rank also counts live Python objects by type (``gc.get_objects``) at its
 first and last sample; the JSON lists the types that grew most.
@@ -158,6 +161,22 @@ def run_config(args: argparse.Namespace, config: str) -> list[dict[str, Any]]:
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.nproc)]
 
 
+def run_with(args: argparse.Namespace, config: str, setting: str | None) -> list[dict[str, Any]]:
+    """:func:`run_config` with ``NAME=VALUE`` in the ranks' environment (spawned ranks copy it at start)."""
+    if setting is None:
+        return run_config(args, config)
+    name, _, value = setting.partition("=")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return run_config(args, config)
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def summarize(config: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_rank = {}
     for r in ranks:
@@ -211,21 +230,26 @@ def main() -> None:
     parser.add_argument("--trim", action="store_true", help="malloc_trim(0) before each sample")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment of the ranks, e.g. MALLOC_ARENA_MAX=2 (repeatable)")
+    parser.add_argument("--compare-env", metavar="NAME=VALUE",
+                        help="run every configuration without and with this environment setting")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory_growth", help="output stem (.csv/.json/.png)")
     args = parser.parse_args()
     for setting in args.env:  # glibc reads its MALLOC_* variables when a spawned rank starts
         name, _, value = setting.partition("=")
         os.environ[name] = value
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    variants = [None, args.compare_env] if args.compare_env else [None]
+    runs = [(config, variant) for config in configs for variant in variants]
     rows: list[dict[str, Any]] = []
     summaries = []
-    for n, config in enumerate(configs, 1):
-        print(f"memory_growth: config {n}/{len(configs)} {config}: {args.nproc} ranks, {args.steps} steps", flush=True)
-        ranks = run_config(args, config)
-        rows += [{"config": config, "rank": r["rank"], **s} for r in ranks for s in r["samples"]]
-        summaries.append(summarize(config, ranks))
+    for n, (config, variant) in enumerate(runs, 1):
+        label = config if variant is None else f"{config} {variant}"
+        print(f"memory_growth: run {n}/{len(runs)} {label}: {args.nproc} ranks, {args.steps} steps", flush=True)
+        ranks = run_with(args, config, variant)
+        rows += [{"config": label, "rank": r["rank"], **s} for r in ranks for s in r["samples"]]
+        summaries.append(summarize(label, ranks))
         for rank, g in summaries[-1]["per_rank"].items():
-            print(f"  {config} rank {rank}: {g['mb_per_1000_steps']:+.3f} MB/1000 steps"
+            print(f"  {label} rank {rank}: {g['mb_per_1000_steps']:+.3f} MB/1000 steps"
                   + (f" ({g['mb_per_1000_steps_after_trim']:+.3f} after trim)" if args.trim else "")
                   + f", {g['mb_per_min']:+.3f} MB/min at {g['steps_per_min']:.0f} steps/min; objects grew "
                   f"{g['python_objects'][1] - g['python_objects'][0]:+d}", flush=True)

@@ -1,6 +1,6 @@
 """Does the adaptive engine pay for itself?  flex + density="auto" against every setting a user could pick.
 
-    python benchmarks/adaptive_e2e.py --group mlp [--seeds 1,2,3,4,5] [--report-only] [--dry-run]
+    python benchmarks/adaptive_e2e.py --group mlp [--seeds 1,2,3,4,5] [--also-rule tta] [--report-only] [--dry-run]
 
 One group is one model on 2 emulated hosts whose link changes between 1 Gbit/s and
 100 Mbit/s.  Per seed every method trains the same steps (no early stop), evaluated on the

@@ -3,6 +3,7 @@
     sudo .venv/bin/python benchmarks/soak.py                 # 20 minutes (the issue's minimum)
     sudo .venv/bin/python benchmarks/soak.py --minutes 60    # the elastic issue's hour
     sudo .venv/bin/python benchmarks/soak.py --minutes 2     # a short check
+    .venv/bin/python benchmarks/soak.py --report-only        # summary and plot again from soak.csv
 
 Starts ``flexcomm-train`` with the adaptive engine on (ResNet-18 x0.125, ``--compressor
 flex --density auto``, 4 emulated hosts, a schedule that cycles 1 Gbit -> 50 Mbit ->
@@ -26,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -41,6 +43,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEADY_AFTER = 0.25
 #: The issue's goal: resident memory flat within this much per rank over the steady window.
 FLAT_MB = 1.0
+#: Memory read from outside catches a rank mid-evaluation or mid-checkpoint, holding that
+#: work's transient buffers (~10 MB here); the floor is the lowest sample per block this long.
+FLOOR_BLOCK_S = 120.0
 #: One cycle of the link's bandwidth, repeated for the whole run.
 CYCLE = "1gbit:60s,50mbit:60s,200mbit:60s,20mbit:60s,"
 CYCLE_MINUTES = 4
@@ -69,7 +74,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "runs" / "soak")
     parser.add_argument("--commit", default=_head(), help="the commit of the code under test, for soak.json "
                         "(default: this checkout's HEAD)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: recompute the memory summary and plot from soak.csv and soak.json")
     args = parser.parse_args()
+    if args.report_only:
+        report_again()
+        return
+    if os.geteuid() != 0:
+        sys.exit("soak.py needs root for the emulated network (network namespaces, tc)")
     if args.out.exists():
         subprocess.run(["rm", "-rf", str(args.out)], check=True)
     train = Path(sys.executable).with_name("flexcomm-train")
@@ -118,26 +130,7 @@ def _steps(run_dir: Path) -> int:
 
 
 def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashed: bool, output: str, wall: float) -> dict:
-    growth = {}
-    for rank in sorted({int(s["rank"]) for s in samples}):
-        mine = [s for s in samples if s["rank"] == rank]
-        # Steady state: the last three quarters of the run.  Start-up (data, model, DDP's
-        # buckets, the first checkpoint, allocator pools) takes minutes on a loaded machine
-        # and would pass for a leak.
-        steady = [s for s in mine if s["t_s"] >= mine[0]["t_s"] + STEADY_AFTER * (mine[-1]["t_s"] - mine[0]["t_s"])]
-        if len(steady) >= 2:
-            slope = float(np.polyfit([s["t_s"] for s in steady], [s["rss_mb"] for s in steady], 1)[0])
-        else:
-            slope = float("nan")
-        # Growth over the window from the fitted line (one sample's noise does not decide it).
-        fitted = slope * (steady[-1]["t_s"] - steady[0]["t_s"])
-        growth[rank] = {"first_mb": mine[0]["rss_mb"], "last_mb": mine[-1]["rss_mb"],
-                        "max_mb": max(s["rss_mb"] for s in mine), "steady_from_s": steady[0]["t_s"],
-                        "steady_growth_mb": steady[-1]["rss_mb"] - steady[0]["rss_mb"],
-                        "steady_range_mb": max(s["rss_mb"] for s in steady) - min(s["rss_mb"] for s in steady),
-                        "steady_fitted_growth_mb": fitted,
-                        "steady_slope_mb_per_min": slope * 60,
-                        f"flat_within_{FLAT_MB:g}_mb": bool(abs(fitted) <= FLAT_MB)}
+    growth = memory_per_rank(samples)
     network = args.out / "network.json"
     return {
         "command": "python benchmarks/soak.py --minutes %g" % args.minutes,
@@ -151,6 +144,47 @@ def _summarize(args: argparse.Namespace, samples: list[dict[str, float]], crashe
         "errors": sorted(p.name for p in args.out.glob("error-rank*.json")),
         "launcher_output_tail": output[-2000:].split("\r")[-1],
     }
+
+
+def memory_per_rank(samples: list[dict[str, float]]) -> dict[int, dict[str, Any]]:
+    """Per rank: resident memory over the steady window, raw and as its floor (see the module doc)."""
+    growth = {}
+    for rank in sorted({int(s["rank"]) for s in samples}):
+        mine = [s for s in samples if s["rank"] == rank]
+        # Steady state: the last three quarters of the run.  Start-up (data, model, DDP's
+        # buckets, the first checkpoint, allocator pools) takes minutes on a loaded machine
+        # and would pass for a leak.
+        steady = [s for s in mine if s["t_s"] >= mine[0]["t_s"] + STEADY_AFTER * (mine[-1]["t_s"] - mine[0]["t_s"])]
+        floor = _floor(steady)
+        growth[rank] = {"first_mb": mine[0]["rss_mb"], "last_mb": mine[-1]["rss_mb"],
+                        "max_mb": max(s["rss_mb"] for s in mine), "steady_from_s": steady[0]["t_s"],
+                        "steady_growth_mb": steady[-1]["rss_mb"] - steady[0]["rss_mb"],
+                        "steady_range_mb": max(s["rss_mb"] for s in steady) - min(s["rss_mb"] for s in steady),
+                        "steady_fitted_growth_mb": _fitted_growth(steady),
+                        "floor_block_s": FLOOR_BLOCK_S,
+                        "steady_floor_range_mb": max(s["rss_mb"] for s in floor) - min(s["rss_mb"] for s in floor),
+                        "steady_floor_fitted_growth_mb": _fitted_growth(floor),
+                        f"flat_within_{FLAT_MB:g}_mb": bool(abs(_fitted_growth(floor)) <= FLAT_MB)}
+    return growth
+
+
+def _floor(samples: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The lowest sample of each ``FLOOR_BLOCK_S`` block: memory between evaluations and checkpoints."""
+    blocks: dict[int, dict[str, float]] = {}
+    for s in samples:
+        block = int((s["t_s"] - samples[0]["t_s"]) // FLOOR_BLOCK_S)
+        if block not in blocks or s["rss_mb"] < blocks[block]["rss_mb"]:
+            blocks[block] = s
+    return [blocks[b] for b in sorted(blocks)]
+
+
+def _fitted_growth(samples: list[dict[str, float]]) -> float:
+    """Growth over the samples' span from a least-squares line (one sample's noise does not decide it)."""
+    if len(samples) < 2:
+        return float("nan")
+    times = [s["t_s"] for s in samples]
+    slope = float(np.polyfit(times, [s["rss_mb"] for s in samples], 1)[0])
+    return slope * (times[-1] - times[0])
 
 
 def _check_records(records: list[dict]) -> dict:
@@ -181,14 +215,18 @@ def _plot(samples: list[dict[str, float]], summary: dict) -> None:
         whole.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], label=f"rank {rank}")
         steady = [s for s in mine if s["t_s"] >= steady_from]
         if steady:
-            growth = summary["memory_per_rank"][rank]["steady_fitted_growth_mb"]
-            steady_ax.plot([s["t_s"] / 60 for s in steady], [s["rss_mb"] - steady[0]["rss_mb"] for s in steady],
-                           label=f"rank {rank}: {growth:+.2f} MB fitted")
+            floor = _floor(steady)
+            growth = summary["memory_per_rank"][rank]["steady_floor_fitted_growth_mb"]
+            line, = steady_ax.plot([s["t_s"] / 60 for s in steady], [s["rss_mb"] - floor[0]["rss_mb"] for s in steady],
+                                   alpha=0.3, linewidth=0.8)
+            steady_ax.plot([s["t_s"] / 60 for s in floor], [s["rss_mb"] - floor[0]["rss_mb"] for s in floor],
+                           color=line.get_color(), marker=".", label=f"rank {rank} floor: {growth:+.2f} MB fitted")
     whole.axvline(steady_from / 60, color="gray", linestyle=":", label="steady window from here")
     whole.set(xlabel="minutes", ylabel="resident memory (MB)",
               title=f"4 ranks, flex + density auto, changing bandwidth; {summary['steps_completed']} steps")
     steady_ax.axhspan(-FLAT_MB, FLAT_MB, color="green", alpha=0.1, label=f"goal: within {FLAT_MB:g} MB")
-    steady_ax.set(xlabel="minutes", ylabel="MB since the steady window began", title="steady window")
+    steady_ax.set(xlabel="minutes", ylabel="MB since the window's first floor",
+                  title=f"steady window: samples (faint), lowest per {FLOOR_BLOCK_S / 60:g} min (dots)")
     for ax in (whole, steady_ax):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -196,7 +234,17 @@ def _plot(samples: list[dict[str, float]], summary: dict) -> None:
     fig.savefig(RESULTS / "soak.png", dpi=120)
 
 
+def report_again() -> None:
+    """The memory summary and plot of the last soak, from its samples (the rest of soak.json is kept)."""
+    with open(RESULTS / "soak.csv") as f:
+        samples = [{"t_s": float(t), "rank": int(r), "rss_mb": float(mb)}
+                   for t, r, mb in (line.strip().split(",") for line in f.readlines()[1:])]
+    summary = json.loads((RESULTS / "soak.json").read_text())
+    summary["memory_per_rank"] = memory_per_rank(samples)
+    (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(samples, summary)
+    print(json.dumps(summary["memory_per_rank"], indent=2))
+
+
 if __name__ == "__main__":
-    if os.geteuid() != 0:
-        sys.exit("soak.py needs root for the emulated network (network namespaces, tc)")
     main()

@@ -127,6 +127,26 @@ def test_a_link_drop_keeps_forward_and_optimizer_in_every_prediction(monkeypatch
     assert controller.density != CANDIDATES[-1]
 
 
+@pytest.mark.parametrize("exchange", ["agtopk", None])
+def test_a_period_measured_across_a_link_drop_is_not_taken_for_time_the_model_leaves_out(
+        monkeypatch: pytest.MonkeyPatch, exchange: str | None) -> None:
+    # Dense at 1 Gbit, 20 Mbit from step 22, then 0.1 from step 50 and 1 Gbit again from 52.
+    # What dense's prediction keeps beyond the model's dense step is what the model leaves out
+    # (the link's compute).  Paired with the model the steps ran under (a 1 Gbit model at the
+    # first agreement after the drop), the drop itself was kept too, and dense stayed ~0.15 s
+    # too slow after the link came back.
+    link = FakeLink(monkeypatch.setattr, rate_bps=1e9)
+    controller = DensityController(CANDIDATES, warmup_steps=0, measure_every=10)
+    calls = forced(controller, lambda step: 1.0 if step < 50 else 0.1)
+    # Probes every 20 steps: allreduce times (dense) are learned from them while only 0.1 runs.
+    planner = make_planner(exchange, controller, probe_every=20)
+    link.run(planner, range(90), rates={22: 20e6, 52: 1e9})
+    step, seconds = calls[-1]
+    assert step >= 80
+    left_out = seconds[0] - planner.chooser.step_seconds(1.0, 2, exchange)
+    assert left_out == pytest.approx(link.compute, rel=0.15), (seconds[0], left_out)
+
+
 # ---------------------------------------------------------------- the measurement allreduce's length is agreed (cause 6)
 
 def _uneven_samples(rank: int, world: int) -> dict:

@@ -333,6 +333,12 @@ class ExchangeChooser:
             return simulate_step(costs, [exchange] * len(costs))
         return simulate_step(costs, best_plan(costs, self._start(costs, self.plan), 0.0))
 
+    def plan_seconds(self, world: int) -> float:
+        """The simulated step of the plan in force, at its density, under the model as it stands (NaN without one)."""
+        if self.plan_density is None or not self.order or set(self.plan) != set(self.order):
+            return math.nan
+        return simulate_step(self.step_costs(self.plan_density, world), [self.plan[b] for b in self.order])
+
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},

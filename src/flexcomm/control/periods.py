@@ -5,7 +5,9 @@ exchanges the step simulation (:func:`~flexcomm.control.exchange.simulate_step`)
 plus what it leaves out (forward, the backward before the first bucket, the optimizer).
 For each density ``d`` the table keeps ``P[d]``, the agreed median period of steps run at
 ``d`` (EWMA over agreement points; a value more than ``JUMP`` times off replaces it whole: a
-new regime), and ``S[d]``, the median of the simulated steps those same steps ran under.
+new regime), and ``S[d]``, the median of the simulated steps those same steps ran under
+(a period over which the link changed, so that the model that learned from it simulates
+their plan far from what they ran under, is not kept: ``StepPlanner._update_density``).
 A candidate ``c`` is predicted from a measurement at the *same* density wherever one exists,
 moved by what the model learned since (``S_now``, the simulated step now):
 

@@ -85,6 +85,9 @@ from flexcomm.cost import CostEstimator, Observation
 #: keeps.  Each is ~130 bytes of Python objects; 10,000 of them took a long run's first
 #: 10,000 samples to fill and read as 1-2 MB of growth per rank (benchmarks/memory_growth.py).
 PREDICTION_LOG = 2_000
+#: A period whose plan the model, once it learned from those steps, simulates this many times
+#: slower or faster than when they ran spans a change of link: it is not used (see ``_update_density``).
+REGIME_CHANGE = 1.5
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,12 @@ class StepPlanner:
         Every candidate is predicted from the periods measured at its own density, each paired
         with the simulated step the model gave when those steps ran (:mod:`flexcomm.control.periods`):
         whole steps, so that the controller's slack is a share of the step, not of its exchanges.
+        A period is dropped when the model, having learned from those same steps, now simulates
+        the plan they ran more than ``REGIME_CHANGE`` times slower or faster than when they ran:
+        the link changed while they ran, and neither model describes all of them.  (Kept, the
+        first period after a drop to 100 Mbit, 114 ms of dense steps, was paired with the 1 Gbit
+        model's 11 ms: the whole drop was taken for time the model leaves out and stayed in that
+        density's prediction, 2-8x too slow once the link came back.)
         """
         assert self.controller is not None
         candidates = self.controller.candidates
@@ -293,10 +302,21 @@ class StepPlanner:
         if not all(math.isfinite(t) for t in simulated):
             return
         for density, (period, ran_under) in new.items():
+            now = self._simulated_as_ran(density, simulated[candidates.index(density)])
+            if ran_under and not ran_under / REGIME_CHANGE <= now <= ran_under * REGIME_CHANGE:
+                continue
             # A step that ran before the model knew any bucket (step 0) pairs with the model now.
-            self.periods.observe(step, density, period, ran_under or simulated[candidates.index(density)])
+            self.periods.observe(step, density, period, ran_under or now)
         if self._gains is not None:
             self.controller.update(step, self._gains, self.periods.predict(candidates, simulated))
+
+    def _simulated_as_ran(self, density: float, best: float) -> float:
+        """The simulated step, under the model now, of the plan that ran at ``density``: flex's plan in
+        force (not necessarily the best one now); ``best`` for a fixed exchange or another density."""
+        if self.exchange is not None or self.chooser.plan_density != density:
+            return best
+        ran = self.chooser.plan_seconds(self.world_size)
+        return ran if math.isfinite(ran) else best
 
     def _period_medians(self) -> list[float]:
         """This rank's period slots of the measurement allreduce, a fixed number (0: none).

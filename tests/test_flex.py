@@ -122,6 +122,53 @@ def test_after_a_link_change_the_exchanges_not_in_use_follow_the_model() -> None
     assert model.predicted(0, "dense", 0.1, 2) > 20 * at_1gbit
 
 
+def _stale_dense_then_optimistic_refit() -> ExchangeChooser:
+    """Dense measured 0.3 s at step 0, AG-Topk 0.08 s, then AR-Topk 0.05 s for two intervals; then the allreduce fit
+    turns optimistic (fast small messages, as when one size dominates the samples): dense rated ~20x faster."""
+    model = chooser_at(1e8, [0])
+    model.dense16 = False
+    model.observe(0, [StepSample(0, "dense", 0.01, 0.0, 0.3, 0.0)], 2)
+    model.observe(1, [StepSample(0, "agtopk", 0.01, 0.0, 0.08, 0.0)], 2)
+    model.refresh()
+    for step in range(2, 21):
+        model.observe(step, [StepSample(0, "artopk", 0.01, 0.0, 0.05, 0.0)], 2)
+        if step % 10 == 0:
+            model.refresh()
+    model.replan(0.01, 2)
+    assert model.plan == {0: "artopk"}
+    for _ in range(60):
+        model.estimator.observe("allreduce", 1 << 16, 2, 1e-4)
+        model.estimator.observe("allreduce", 1 << 20, 2, 5e-4)
+    model.observe(21, [StepSample(0, "artopk", 0.01, 0.0, 0.05, 0.0)], 2)
+    model.refresh()
+    assert model.predicted(0, "dense", 0.01, 2) < 0.05 / 2  # the refit rates dense far under AR-Topk's 0.05 s
+    return model
+
+
+def test_a_pair_the_refit_rates_far_faster_than_measured_is_tried_before_a_plan_takes_it() -> None:
+    # Seen on an emulated 100 Mbit link: the fit dropped to beta = 0, dense was rated 2 ms where it
+    # had measured 200, and the plan ran whole intervals of dense steps.  Now the plan keeps AR-Topk,
+    # the bucket's next exploration tries dense once, and that measurement decides.
+    model = _stale_dense_then_optimistic_refit()
+    model.replan(0.01, 2)
+    assert model.plan == {0: "artopk"}
+    assert [model.choose(0, step, 0.01, 2) for step in (30, 31, 39)] == ["dense", "artopk", "artopk"]
+    model.observe(30, [StepSample(0, "dense", 0.01, 0.0, 0.3, 0.0)], 2)  # still slow: not taken
+    model.refresh()
+    model.replan(0.01, 2)
+    assert model.plan == {0: "artopk"}
+
+
+def test_a_pair_tried_and_measured_fast_is_taken() -> None:
+    # The link did get faster: the trial measures dense at 10 ms and the next plan takes it.
+    model = _stale_dense_then_optimistic_refit()
+    model.replan(0.01, 2)
+    model.observe(30, [StepSample(0, "dense", 0.01, 0.0, 0.01, 0.0)], 2)
+    model.refresh()
+    model.replan(0.01, 2)
+    assert model.plan == {0: "dense"}
+
+
 def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None:
     model = chooser_at(1e9, [0, 1])
     model.sizes[1] = (2_000_000, 4)

@@ -28,6 +28,15 @@ that dropped or came back), not noise to average away.  The per-exchange samples
 plain EWMAs: the plan's own pairs are measured every step, so they follow a change within
 one agreement interval, and single slow samples (frequent on a busy CPU) do not flip it.
 
+Trial before adoption: a pair measured before the last agreement interval whose prediction the
+refitted model now puts more than ``TRUST_DRIFT`` times below what it last measured is not
+adopted by a new plan on the model's word: the bucket keeps its exchange and tries that one
+first at its next exploration (one bucket, one step); measured again, it is adopted or not on
+the measurement.  The model's fit is noisy where one message size dominates its samples (an
+allreduce fit once dropped to beta = 0 and rated dense at 100 Mbit at 2 ms), and a plan taken
+on such a prediction ran whole intervals of dense steps at 10-20x the sparse step.  A drift
+upwards (a slower link) is followed at once: it only makes a pair look worse.
+
 Exploration: the plan's own choices are measured at every step; an alternative is only
 measured when it is tried.  Every ``explore_every`` steps one bucket (by the step counter)
 runs its least recently measured alternative -- if the model predicts the step with that
@@ -64,6 +73,8 @@ GUARD_MARGIN = 1.5
 GUARD_TRIAL_STEPS = 3
 #: A guard period this many times above or below the smoothed one replaces it (a change of regime).
 JUMP = 3.0
+#: A measured pair the model now rates this many times faster than it last measured is tried before a plan adopts it.
+TRUST_DRIFT = 1.5
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,8 @@ class Choice:
 
     exchange: str
     predicted: dict[str, float]
+    #: Whether this is an exploration: not the plan a guard or the model chose for the step.
+    explored: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,14 @@ class ExchangeChooser:
         # The guard: measured whole-step periods of all-dense steps and of the others, (seconds, step).
         self.measured_steps: dict[str, tuple[float, int]] = {}
         self._simulated_plan: dict[int, str] = {}
+        # Calibrated comm seconds of each pair at its last measurement (its own density and world size).
+        self._anchor: dict[tuple[int, str], float] = {}
+        # Pairs measured in the agreement interval before the last refresh: a plan may adopt them on their numbers.
+        self._recent: set[tuple[int, str]] = set()
+        # bucket -> the exchange a replan wanted but must try first (see TRUST_DRIFT).
+        self._wanted: dict[int, str] = {}
+        # (step, bucket) of the last exploration.
+        self._explored: tuple[int, int] | None = None
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
@@ -154,7 +175,9 @@ class ExchangeChooser:
             after = predict_exchange_times(numel, density, world, params, vb)[exchange]
             if before > 0.0 and after > 0.0:
                 self._kappa[key] *= before / after
+                self._anchor[key] = self._kappa[key] * after
         self.params = params
+        self._recent = set(self._fresh)
         self._fresh.clear()
 
     # -- measurements ---------------------------------------------------------------------
@@ -228,11 +251,25 @@ class ExchangeChooser:
         self.plan_density = density
         costs = self.step_costs(density, world)
         current = self._start(costs, self._simulated_plan)
-        self._simulated_plan = dict(zip(self.order, best_plan(costs, current, self.hysteresis)))
+        proposed = best_plan(costs, current, self.hysteresis)
+        self._wanted = {b: new for b, old, new in zip(self.order, current, proposed)
+                        if new != old and self._drifted_faster(b, new, world)}
+        self._simulated_plan = {b: old if b in self._wanted else new for b, old, new in zip(self.order, current, proposed)}
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
         if dense and other and dense[0] < other[0] * (1.0 - self.hysteresis):
             self.plan = {b: "dense" for b in self.order}
+
+    def _drifted_faster(self, bucket: int, exchange: str, world: int) -> bool:
+        """Whether the model rates a pair not measured in the last interval ``TRUST_DRIFT`` times below its last measurement."""
+        key = (bucket, exchange)
+        anchor = self._anchor.get(key)
+        if anchor is None or key in self._recent or not self.explore_every:  # no explorations: nothing to try it with
+            return False
+        density, measured_world = self._kappa_at[key]
+        numel, vb = self.sizes[bucket]
+        now = self._kappa_for(bucket, exchange) * predict_exchange_times(numel, density, measured_world, self.params, vb)[exchange]
+        return now * TRUST_DRIFT < anchor
 
     def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
         """Agreed median step periods of the last all-dense steps and of the others (None: none ran).
@@ -287,6 +324,7 @@ class ExchangeChooser:
             return trial[bucket]
         explored = self._exploration(step, density, world)
         if explored is not None and explored[0] == bucket:
+            self._explored = (step, bucket)
             return explored[1]
         return self.plan[bucket]
 
@@ -294,13 +332,17 @@ class ExchangeChooser:
         """:meth:`choose` for a bucket of ``numel`` elements, with every exchange's predicted seconds."""
         self.sizes[bucket] = (numel, value_bytes)
         costs = self.costs(bucket, density, world)
-        return Choice(self.choose(bucket, step, density, world), {e: costs.total(e) for e in EXCHANGE_ORDER})
+        exchange = self.choose(bucket, step, density, world)
+        return Choice(exchange, {e: costs.total(e) for e in EXCHANGE_ORDER}, self._explored == (step, bucket))
 
     def _exploration(self, step: int, density: float, world: int) -> tuple[int, str] | None:
         if not self.explore_every or step % self.explore_every or len(self.plan) != len(self.order):
             return None
         position = (step // self.explore_every) % len(self.order)
         bucket = self.order[position]
+        wanted = self._wanted.get(bucket)
+        if wanted is not None and wanted != self.plan[bucket]:
+            return bucket, wanted
         costs = self.step_costs(density, world)
         planned = [self.plan[b] for b in self.order]
         now = simulate_step(costs, planned)
@@ -346,7 +388,8 @@ class ExchangeChooser:
                 "kappa_at": _pairs(self._kappa_at), "gap": dict(self._gap),
                 "measured_at": _pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
                 "measured_steps": dict(self.measured_steps),
-                "simulated_plan": dict(self._simulated_plan)}
+                "simulated_plan": dict(self._simulated_plan), "anchor": _pairs(self._anchor),
+                "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
@@ -361,6 +404,10 @@ class ExchangeChooser:
         self._fresh = {(int(b), str(e)) for b, e in state.get("fresh", [])}
         self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}
         self._simulated_plan = {int(b): str(e) for b, e in state["simulated_plan"].items()}
+        # Absent from states saved before trials before adoption: nothing waits for a trial.
+        self._anchor = {key: float(v) for key, v in _unpairs(state.get("anchor", [])).items()}
+        self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
+        self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
 
 
 def _jumped(old: float, value: float) -> bool:

@@ -43,7 +43,8 @@ received in the same collective, so every rank decides alike:
   ``measure_every`` steps after the last one, so the decision sees it fresh (the first at
   step 0, for the decision at step 1).  Each candidate's step time comes from step periods
   measured at that same density where there are any (:mod:`flexcomm.control.periods`); a
-  step's period, from its first bucket to the next step's, is closed at that next step.
+  step's period, from its first bucket to the next step's, is closed at that next step (not
+  kept for a step where a bucket explored: it ran neither the plan nor all-dense).
   Whenever the density changes the exchange plan is made again for it.
 * the first ``warmup_steps`` steps, and density 1.0 under ``auto`` with a fixed
   compressor, are dense (fp32); ``flex`` at density 1.0 plans between dense and dense16.
@@ -145,6 +146,8 @@ class StepPlanner:
         self._last_begin: float | None = None
         self._periods: list[tuple[float, bool, float, float]] = []
         self._simulated = 0.0
+        # The last step in which a bucket explored an alternative (its period is not kept).
+        self._explored_step: int | None = None
         #: Agreed step periods per density (``density="auto"``'s time predictions).
         self.periods = StepPeriods(self.chooser.smoothing)
         #: ``(exchange, predicted, measured)`` seconds (blocking work + collectives) of every agreed bucket
@@ -233,7 +236,8 @@ class StepPlanner:
         self._expected += expected
         self._pending += closed
         now = perf_counter()
-        if self._last_begin is not None and closed:
+        # An exploration's step ran neither the plan nor all-dense: its period describes neither.
+        if self._last_begin is not None and closed and closed[0].step != self._explored_step:
             dense = all(s.exchange == "dense" for s in closed)
             self._periods.append((now - self._last_begin, dense, closed[0].density, self._simulated))
         self._last_begin = now
@@ -254,7 +258,10 @@ class StepPlanner:
         elif self.exchange is not None:
             exchange = self.exchange
         else:
-            exchange = self.chooser.choice(bucket_index, numel, density, world, value_bytes, step).exchange
+            choice = self.chooser.choice(bucket_index, numel, density, world, value_bytes, step)
+            exchange = choice.exchange
+            if choice.explored:
+                self._explored_step = step
         if not self.estimating:
             return Plan(exchange, density)
         self.chooser.sizes.setdefault(bucket_index, (numel, value_bytes))
@@ -376,6 +383,7 @@ class StepPlanner:
             "expected": [list(key) for key in self._expected],
             "step_periods": [list(p) for p in self._periods],
             "simulated": self._simulated,
+            "explored_step": self._explored_step,
             "open_step": self._log.state_dict(),
             "agreement": None if self._agreement is None else self._agreement.state_dict(),
             "since_begin": None if self._last_begin is None else perf_counter() - self._last_begin,
@@ -395,6 +403,7 @@ class StepPlanner:
         self._expected = [(int(s), int(b)) for s, b in state["expected"]]
         self._periods = [(float(t), bool(dense), float(d), float(sim)) for t, dense, d, sim in state["step_periods"]]
         self._simulated = state["simulated"]
+        self._explored_step = state.get("explored_step")  # absent from states saved before it was kept
         self._log.load_state_dict(state["open_step"])
         agreement = state.get("agreement")  # absent from states saved before agreements were issued early
         self._agreement = None if agreement is None else AgreementPoint.from_state(agreement)

@@ -346,6 +346,7 @@ class FlexState:
             for (rec, name, _), values in zip(fields, host[len(conditions):]):
                 if name == "gain":
                     rec.gain = values[0]
+                    self.planner.observe_sent(rec.step, rec.bucket, rec.gain)
                 elif name == "finite":
                     rec.finite = bool(values[0])
                 elif rec.finite and self.leaders is not None:

@@ -2,8 +2,12 @@
 
 The step a plan makes is simulated by :mod:`flexcomm.control.step_model`: backward runs on,
 each bucket's local work holds it, one group runs the collectives one after another.  The plan
-is the choice vector with the smallest simulated step, by coordinate descent from the current
-plan (one bucket's exchange changes at a time, only for a gain above ``hysteresis``).
+is the choice vector with the smallest simulated step times its steps factor, by coordinate
+descent from the current plan (one bucket's exchange changes at a time, only for a gain above
+``hysteresis``).  The steps factor charges AR-Topk for sending the followers' values at the
+leader's indices rather than their own top-k (:mod:`flexcomm.control.quality`), measured per
+bucket from the agreed energy fractions sent: at one density AR-Topk is taken only where it
+saves more time than the extra steps it costs.
 
 ``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` (EWMA of measured /
 modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).
@@ -22,11 +26,9 @@ unmeasured dense16 pair it is 0 for the same reason.  An exchange that cannot he
 costs infinity: sparse ones at density 1 (every index would only add bytes), dense16 for
 16-bit gradients or when disabled.
 
-The guard's step periods (each the agreed median of a few steps) take a new value whole
-when it differs from the old one by more than a factor ``JUMP``: a change of regime (a link
-that dropped or came back), not noise to average away.  The per-exchange samples stay
-plain EWMAs: the plan's own pairs are measured every step, so they follow a change within
-one agreement interval, and single slow samples (frequent on a busy CPU) do not flip it.
+The per-exchange samples are plain EWMAs: the plan's own pairs are measured every step, so
+they follow a change within one agreement interval, and single slow samples (frequent on a
+busy CPU) do not flip it.
 
 Trial before adoption: a pair measured before the last agreement interval whose prediction the
 refitted model now puts more than ``TRUST_DRIFT`` times below what it last measured is not
@@ -45,12 +47,8 @@ measured on that bucket, within ``2 * explore_margin + 1`` (3x the plan's step):
 model corrects itself within ``explore_every * buckets * 2`` steps at a bounded price, and
 clearly worse choices (dense on a slow link) are never tried.
 
-The guard: the simulation treats collectives and compute as running side by side; on CPUs
-they share cores, and a dense allreduce that "hides" behind backward slows it down.  So the
-agreed median periods of whole steps are kept apart for all-dense steps (plain DDP's
-behaviour) and the others; when all-dense steps measured faster, the plan is all-dense.
-Every ``guard_every`` steps three steps run the plan the guard is not using (all-dense only
-while the model rates it within ``GUARD_MARGIN`` of the plan), so both stay measured.
+The guard (:mod:`flexcomm.control.guard`): when whole all-dense steps measured faster than
+the plan's, the plan is all-dense; every ``guard_every`` steps a short trial keeps both measured.
 
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """
@@ -62,17 +60,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, simulate_step
+from flexcomm.control.guard import GUARD_MARGIN, GUARD_TRIAL_STEPS, smoothed_periods
+from flexcomm.control.quality import steps_factor
+from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, plan_cost, simulate_step
 from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, predict_exchange_times
 
-#: The guard tries all-dense steps only while the model rates them within this factor of the plan's:
-#: what it corrects (compute and collectives sharing the CPU) is tens of percent, and after a
-#: drop the model can rate dense several times too fast (a 3-step trial at 20 Mbit cost 12 s).
-GUARD_MARGIN = 1.5
-#: Consecutive steps of a guard trial: the agreed median of a few steps, not one noisy step.
-GUARD_TRIAL_STEPS = 3
-#: A guard period this many times above or below the smoothed one replaces it (a change of regime).
-JUMP = 3.0
 #: A measured pair the model now rates this many times faster than it last measured is tried before a plan adopts it.
 TRUST_DRIFT = 1.5
 
@@ -97,6 +89,9 @@ class StepSample:
     block: float
     comm: float
     gap: float
+    #: Smallest and largest energy fraction sent over ranks (NaN: unknown); see :mod:`flexcomm.control.quality`.
+    kept_min: float = math.nan
+    kept_max: float = math.nan
 
 
 class ExchangeChooser:
@@ -147,6 +142,8 @@ class ExchangeChooser:
         self._wanted: dict[int, str] = {}
         # (step, bucket) of the last exploration.
         self._explored: tuple[int, int] | None = None
+        # Steps factor of AR-Topk pairs (EWMA): the followers send less than their own top-k.
+        self._factor: dict[tuple[int, str], float] = {}
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
@@ -193,6 +190,9 @@ class ExchangeChooser:
             self._smooth(self._gap, s.bucket, s.gap)
             self._measured_at[key] = step
             self._fresh.add(key)
+            factor = steps_factor(s.kept_min, s.kept_max) if s.exchange == "artopk" else None
+            if factor is not None:
+                self._smooth(self._factor, key, factor)
 
     def _smooth(self, table: dict, key: Any, value: float) -> None:
         old = table.get(key)
@@ -206,7 +206,7 @@ class ExchangeChooser:
         comm = {e: self._kappa_for(bucket, e) * modelled[e] if self._usable(e, vb, density) else math.inf
                 for e in EXCHANGE_ORDER}
         block = {e: self._block_for(bucket, e, numel) for e in EXCHANGE_ORDER}
-        return BucketCosts(block, comm, self._gap.get(bucket, 0.0))
+        return BucketCosts(block, comm, self._gap.get(bucket, 0.0), {"artopk": self._factor_for(bucket)}, float(numel))
 
     def step_costs(self, density: float, world: int) -> list[BucketCosts]:
         return [self.costs(b, density, world) for b in self.order]
@@ -226,6 +226,12 @@ class ExchangeChooser:
             return own
         others = [k for (b, e), k in sorted(self._kappa.items()) if e == exchange]
         return sum(others) / len(others) if others else 1.0
+
+    def _factor_for(self, bucket: int) -> float:
+        """AR-Topk's steps factor on ``bucket``: measured, else the mean over other buckets, else 1 (it gets tried)."""
+        own = self._factor.get((bucket, "artopk"))
+        others = [f for _, f in sorted(self._factor.items())]
+        return own if own is not None else sum(others) / len(others) if others else 1.0
 
     def _block_for(self, bucket: int, exchange: str, numel: int) -> float:
         if exchange not in SPARSE:
@@ -272,24 +278,8 @@ class ExchangeChooser:
         return now * TRUST_DRIFT < anchor
 
     def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
-        """Agreed median step periods of the last all-dense steps and of the others (None: none ran).
-
-        When one of them jumps (a change of regime), the other one, measured before the
-        change, is dropped: the guard compares the two again only once both are re-measured.
-        """
-        new = {kind: seconds for kind, seconds in (("dense", dense), ("other", other)) if seconds is not None}
-        jumped = {kind for kind, seconds in new.items()
-                  if kind in self.measured_steps and _jumped(self.measured_steps[kind][0], seconds)}
-        for kind in jumped:
-            unmeasured = "other" if kind == "dense" else "dense"
-            if unmeasured not in new:
-                self.measured_steps.pop(unmeasured, None)
-        for kind, seconds in new.items():
-            old = self.measured_steps.get(kind)
-            if old is None or kind in jumped:
-                self.measured_steps[kind] = (seconds, step)
-            else:
-                self.measured_steps[kind] = (self.smoothing * old[0] + (1.0 - self.smoothing) * seconds, step)
+        """Agreed median step periods of the last all-dense steps and of the others (None: none ran)."""
+        self.measured_steps = smoothed_periods(self.measured_steps, step, dense, other, self.smoothing)
 
     def _guard_trial(self, step: int, density: float, world: int) -> dict[int, str] | None:
         """Every ``guard_every`` steps, ``GUARD_TRIAL_STEPS`` steps of the plan the guard is not using, if not far off."""
@@ -345,12 +335,12 @@ class ExchangeChooser:
             return bucket, wanted
         costs = self.step_costs(density, world)
         planned = [self.plan[b] for b in self.order]
-        now = simulate_step(costs, planned)
+        now = plan_cost(costs, planned)
 
         def worth_a_try(e: str) -> bool:
             # A model that never saw e run here may be far off: a wider margin, once.
             margin = self.explore_margin if (bucket, e) in self._measured_at else 2.0 * self.explore_margin + 1.0
-            return simulate_step(costs, planned[:position] + [e] + planned[position + 1:]) <= now * (1.0 + margin)
+            return plan_cost(costs, planned[:position] + [e] + planned[position + 1:]) <= now * (1.0 + margin)
 
         cheap = [e for e in EXCHANGE_ORDER if e != self.plan[bucket] and worth_a_try(e)]
         if not cheap:
@@ -389,7 +379,8 @@ class ExchangeChooser:
                 "measured_at": _pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
                 "measured_steps": dict(self.measured_steps),
                 "simulated_plan": dict(self._simulated_plan), "anchor": _pairs(self._anchor),
-                "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted)}
+                "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted),
+                "factor": _pairs(self._factor)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
@@ -408,11 +399,7 @@ class ExchangeChooser:
         self._anchor = {key: float(v) for key, v in _unpairs(state.get("anchor", [])).items()}
         self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
-
-
-def _jumped(old: float, value: float) -> bool:
-    """``value`` is more than ``JUMP`` times above or below ``old``: a change of regime, not noise."""
-    return not old / JUMP <= value <= old * JUMP
+        self._factor = {key: float(v) for key, v in _unpairs(state.get("factor", [])).items()}
 
 
 def _pairs(table: dict[tuple[int, str], Any]) -> list[list[Any]]:

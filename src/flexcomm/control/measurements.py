@@ -6,17 +6,19 @@ rank.  A rank's own samples are not: a step whose exchange never reported leaves
 the collective is laid out over the expected list, never over the local samples: with
 ``n = len(expected)`` and ``p`` period slots (fixed by the configuration),
 
-    [-service] * n + [-gap] * n + [block] * n + [-present] * n + periods[p]
+    [-service] * n + [-gap] * n + [block] * n + [-present] * n + [-kept] * n + [kept] * n + periods[p]
 
 combined by MAX (``-max(-t) = min t``; ``-max(-present)`` is 1 only if every rank has the
 sample).  A rank without a sample sends zeros in its slots; the exchange is then dropped
-on every rank alike.  Whether the collective runs depends on the expected list only.
+on every rank alike.  ``kept`` (the energy fraction sent) is positive when known: a rank
+that does not know it sends 0, and the agreed minimum, 0, says "unknown" on every rank.  Whether the collective runs depends on the expected list only.
 :mod:`flexcomm.control.agreement_point` issues it; :func:`measurement_vector` and
 :func:`agreed_samples` are its two ends.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,19 +30,24 @@ Key = tuple[int, int]
 
 @dataclass(frozen=True)
 class AgreedSample:
-    """A local sample with the agreed times: service and gap the min over ranks, block the max."""
+    """A local sample with the agreed times: service and gap the min over ranks, block the max;
+    the smallest and largest energy fraction kept over ranks (NaN: some rank does not know it)."""
 
     sample: LocalSample
     service: float
     gap: float
     block: float
+    kept_min: float = math.nan
+    kept_max: float = math.nan
 
 
 def measurement_vector(expected: Sequence[Key], local: Sequence[LocalSample], periods: Sequence[float]) -> list[float]:
-    """This rank's slots of the MAX allreduce, laid out over ``expected``; ``len(expected) * 4 + len(periods)`` long."""
+    """This rank's slots of the MAX allreduce, laid out over ``expected``; ``len(expected) * 6 + len(periods)`` long."""
     rows = _rows(expected, local)
+    kept = [s.kept if s and math.isfinite(s.kept) and s.kept > 0.0 else 0.0 for s in rows]
     return ([-s.service if s else 0.0 for s in rows] + [-s.gap if s else 0.0 for s in rows]
-            + [s.block if s else 0.0 for s in rows] + [-1.0 if s else 0.0 for s in rows] + list(periods))
+            + [s.block if s else 0.0 for s in rows] + [-1.0 if s else 0.0 for s in rows]
+            + [-k for k in kept] + kept + list(periods))
 
 
 def agreed_samples(expected: Sequence[Key], local: Sequence[LocalSample],
@@ -48,9 +55,13 @@ def agreed_samples(expected: Sequence[Key], local: Sequence[LocalSample],
     """From the combined vector: the samples every rank holds, with agreed times, in ``expected`` order; the periods."""
     rows = _rows(expected, local)
     n = len(rows)
-    samples = [AgreedSample(s, -agreed[i], -agreed[n + i], agreed[2 * n + i])
+    def known(value: float) -> float:
+        return value if value > 0.0 else math.nan
+
+    samples = [AgreedSample(s, -agreed[i], -agreed[n + i], agreed[2 * n + i],
+                            known(-agreed[4 * n + i]), known(agreed[5 * n + i]))
                for i, s in enumerate(rows) if s is not None and agreed[3 * n + i] == -1.0]
-    return samples, list(agreed[4 * n:])
+    return samples, list(agreed[6 * n:])
 
 
 def _rows(expected: Sequence[Key], local: Sequence[LocalSample]) -> list[LocalSample | None]:

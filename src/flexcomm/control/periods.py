@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from flexcomm.control.exchange import JUMP
+from flexcomm.control.guard import JUMP
 
 
 def carry(period: float, then: float, now: float) -> float:

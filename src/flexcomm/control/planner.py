@@ -280,6 +280,11 @@ class StepPlanner:
         if self.estimating:
             self._log.finished(step, bucket_index, observation, t_compress or 0.0)
 
+    def observe_sent(self, step: int, bucket_index: int, gain: float) -> None:
+        """Note a settled exchange's gain ``||sent|| / ||accumulated||`` on this rank (what the steps factor needs)."""
+        if self.estimating:
+            self._log.sent(step, bucket_index, gain)
+
     def _observe_gains(self, step: int, energy: Sequence[float]) -> None:
         """The gain curve measured at the previous step, summed over ranks."""
         *kept, total = energy
@@ -413,7 +418,7 @@ class StepPlanner:
 
 def _step_sample(a: AgreedSample) -> StepSample:
     s = a.sample
-    return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap)
+    return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap, a.kept_min, a.kept_max)
 
 
 def _median(values: Sequence[float]) -> float:

@@ -15,15 +15,19 @@ step's first bucket (no exchange in flight) :meth:`StepLog.close` turns that int
   for 210 ms of 1 Gbit wire time, and flex kept that bucket dense.)
 * ``block``: this rank's local work of the exchange (0 for dense);
 * ``gap``: the backward compute after the bucket's hook call until the next bucket's,
-  ``entered[next] - entered[b] - block[b]`` (0 for the step's last bucket).
+  ``entered[next] - entered[b] - block[b]`` (0 for the step's last bucket);
+* ``kept``: ``gain^2``, the energy fraction of its accumulated gradient this rank sent (NaN
+  until the step's outcomes are settled, and for dense exchanges).
 
 Local samples differ across ranks; the planner agrees on them (min of ``service`` and
 ``gap`` -- the rank that arrived last waited for nobody, the leader of an AR-Topk exchange
-did not wait for its own selection -- max of ``block``, which every rank waits for).
+did not wait for its own selection -- max of ``block``, which every rank waits for; min and
+max of ``kept``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 from time import perf_counter
@@ -47,6 +51,7 @@ class LocalSample:
     service: float
     gap: float
     predicted: float
+    kept: float = math.nan
 
 
 @dataclass
@@ -61,6 +66,7 @@ class _Entry:
     observation: Observation | None = None
     block: float = 0.0
     done: float = 0.0
+    kept: float = math.nan
 
 
 class StepLog:
@@ -83,6 +89,12 @@ class StepLog:
         if entry is not None:
             entry.observation, entry.block, entry.done = observation, block, perf_counter()
 
+    def sent(self, step: int, bucket: int, gain: float) -> None:
+        """A bucket's settled gain ``||sent|| / ||accumulated||`` on this rank."""
+        entry = self._entries.get(bucket) if self._step == step else None
+        if entry is not None:
+            entry.kept = gain * gain
+
     def keys(self) -> list[tuple[int, int]]:
         """``(step, bucket)`` of every exchange entered this step: the same list on every rank."""
         return sorted((self._step, b) for b in self._entries) if self._step is not None else []
@@ -92,16 +104,18 @@ class StepLog:
         now = perf_counter()
         return {"step": self._step, "entries": [
             [e.bucket, e.exchange, e.density, e.numel, e.value_bytes, e.predicted, now - e.entered,
-             None if e.observation is None else list(e.observation), e.block, now - e.done]
+             None if e.observation is None else list(e.observation), e.block, now - e.done, e.kept]
             for e in self._entries.values()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         now = perf_counter()
         self._step = state["step"]
         self._entries = {}
-        for bucket, exchange, density, numel, vb, predicted, entered, observation, block, done in state["entries"]:
+        for row in state["entries"]:
+            bucket, exchange, density, numel, vb, predicted, entered, observation, block, done, *kept = row
             self._entries[bucket] = _Entry(bucket, exchange, density, numel, vb, predicted, now - entered,
-                                           None if observation is None else Observation(*observation), block, now - done)
+                                           None if observation is None else Observation(*observation), block, now - done,
+                                           *kept)  # absent from states saved before the gain was kept
 
     def close(self) -> list[LocalSample]:
         """The finished step's samples, in hook order; the log starts over."""
@@ -114,7 +128,7 @@ class StepLog:
         for e, following in zip(entries, entries[1:] + [None]):
             gap = 0.0 if following is None else max(0.0, following.entered - e.entered - e.block)
             samples.append(LocalSample(step, e.bucket, e.exchange, e.density, e.numel, e.value_bytes, e.observation,
-                                       e.block, service[e.bucket], gap, e.predicted))
+                                       e.block, service[e.bucket], gap, e.predicted, e.kept))
         return samples
 
 

@@ -21,8 +21,11 @@ thread's clock and ``free`` the time the group is next idle:
 ``step`` is backward plus what the exchanges add to it: a dense bucket early in backward
 costs nothing while its allreduce hides behind the rest of backward, a selection costs its
 full time, the last buckets' collectives are exposed.  The plan is the choice vector with
-the smallest ``step``, by coordinate descent from the current plan (one bucket's exchange
-changes at a time, only for a gain above ``hysteresis``).
+the smallest ``step * factor``, by coordinate descent from the current plan (one bucket's
+exchange changes at a time, only for a gain above ``hysteresis``): ``factor`` is the mean,
+weighted by bucket size, of each chosen exchange's steps factor (:mod:`flexcomm.control.quality`:
+how many more steps an exchange that sends less than each rank's own top-k costs; 1 unless
+measured), so the plan minimises the time to accuracy, not the step alone.
 
 Plain Python on agreed inputs: every rank simulates alike.
 """
@@ -30,7 +33,7 @@ Plain Python on agreed inputs: every rank simulates alike.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flexcomm.cost import DENSE_EXCHANGES, EXCHANGES
 
@@ -42,11 +45,14 @@ SPARSE = tuple(e for e in EXCHANGES if e not in DENSE_EXCHANGES)
 
 @dataclass(frozen=True)
 class BucketCosts:
-    """One bucket's inputs to :func:`simulate_step`: per-exchange blocking and comm seconds, and the gap after it."""
+    """One bucket's inputs to :func:`simulate_step`: per-exchange blocking and comm seconds, and the gap after it;
+    to :func:`plan_cost` also per-exchange steps factors (absent: 1) and the bucket's weight (its size)."""
 
     block: Mapping[str, float]
     comm: Mapping[str, float]
     gap: float
+    factor: Mapping[str, float] = field(default_factory=dict)
+    weight: float = 1.0
 
     def total(self, exchange: str) -> float:
         return self.block[exchange] + self.comm[exchange]
@@ -62,10 +68,17 @@ def simulate_step(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> floa
     return max(t, free)
 
 
+def plan_cost(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> float:
+    """:func:`simulate_step` times the size-weighted mean steps factor of ``choice``: time to accuracy, relatively."""
+    weight = sum(b.weight for b in buckets)
+    factor = sum(b.weight * b.factor.get(e, 1.0) for b, e in zip(buckets, choice)) / weight if weight > 0 else 1.0
+    return simulate_step(buckets, choice) * factor
+
+
 def best_plan(buckets: Sequence[BucketCosts], current: Sequence[str], hysteresis: float) -> list[str]:
-    """Coordinate descent from ``current``: switch one bucket at a time while the step gets faster by > ``hysteresis``."""
+    """Coordinate descent from ``current``: switch one bucket at a time while :func:`plan_cost` falls by > ``hysteresis``."""
     plan = list(current)
-    best = simulate_step(buckets, plan)
+    best = plan_cost(buckets, plan)
     improved = True
     while improved:
         improved = False
@@ -74,7 +87,7 @@ def best_plan(buckets: Sequence[BucketCosts], current: Sequence[str], hysteresis
                 if exchange == plan[i]:
                     continue
                 trial = plan[:i] + [exchange] + plan[i + 1:]
-                seconds = simulate_step(buckets, trial)
-                if seconds < best * (1.0 - hysteresis):
-                    plan, best, improved = trial, seconds, True
+                cost = plan_cost(buckets, trial)
+                if cost < best * (1.0 - hysteresis):
+                    plan, best, improved = trial, cost, True
     return plan

@@ -9,27 +9,19 @@ import pytest
 from flexcomm.control.agreement_point import AgreementPoint
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.measurements import agreed_samples, measurement_vector
-from flexcomm.control.quality import KAPPA, steps, steps_factor
+from flexcomm.control.quality import steps_factor
 from flexcomm.control.step_log import LocalSample, StepLog, sample_from_row, sample_row
 from flexcomm.control.step_model import BucketCosts, best_plan, plan_cost
 from flexcomm.cost import CostEstimator, CostParams, LinkParams, Observation
 from multiproc import run_world
 
 
-def test_steps_factor_is_the_ratio_of_the_steps_at_the_two_kept_fractions() -> None:
-    assert steps(1.0) == 1.0
-    assert steps(0.1) == 1.0 + KAPPA * 9.0
-    assert steps_factor(0.082, 0.1) == pytest.approx((1 + KAPPA * (1 / 0.082 - 1)) / (1 + KAPPA * 9.0))
+def test_steps_factor_is_the_ratio_of_the_kept_energy_fractions() -> None:
+    assert steps_factor(0.05, 0.10) == 2.0
     assert steps_factor(0.1, 0.1) == 1.0
-    # Sending more than the reference never makes an exchange cheaper than 1; rounding above 1 counts as 1.
+    # Sending more than the leader's own top-k never makes an exchange cheaper than 1.
     assert steps_factor(0.2, 0.1) == 1.0
-    assert steps_factor(1.0000001, 1.0) == 1.0
-    assert steps_factor(math.nan, 0.1) is None and steps_factor(0.1, 0.0) is None
-
-
-def test_steps_rejects_a_fraction_outside_zero_one() -> None:
-    with pytest.raises(ValueError, match="delta must be in"):
-        steps(0.0)
+    assert steps_factor(math.nan, 0.1) is None and steps_factor(0.1, 0.0) is None and steps_factor(0.0, 0.1) is None
 
 
 def two_sparse_buckets(factor: float) -> list[BucketCosts]:
@@ -69,7 +61,7 @@ def chooser_measuring(kept: tuple[float, float]) -> ExchangeChooser:
 
 
 def test_a_chooser_charges_ar_topk_the_steps_its_measured_kept_energy_costs() -> None:
-    # Followers kept 0.05 of their energy where the leader's own top-k kept 0.10: 1.6x the steps.
+    # Followers kept 0.05 of their energy where the leader's own top-k kept 0.10: twice the steps.
     assert chooser_measuring((0.05, 0.10)).plan == {0: "agtopk", 1: "agtopk"}
     # Nothing known about what AR-Topk sends: the time decides, and it is faster.
     assert chooser_measuring((math.nan, math.nan)).plan == {0: "artopk", 1: "artopk"}
@@ -80,7 +72,7 @@ def test_the_steps_factor_survives_a_state_round_trip() -> None:
     restored = ExchangeChooser()
     restored.load_state_dict(chooser.state_dict())
     assert restored.costs(0, 0.01, 2).factor == chooser.costs(0, 0.01, 2).factor
-    assert restored.costs(0, 0.01, 2).factor["artopk"] == pytest.approx(steps_factor(0.05, 0.10))
+    assert restored.costs(0, 0.01, 2).factor["artopk"] == 2.0
 
 
 def test_the_step_log_keeps_the_settled_gain_squared_through_a_checkpoint() -> None:

@@ -239,3 +239,16 @@ def test_tta_exponent_sets_how_much_a_low_gain_costs() -> None:
     assert DensityController(candidates, ef_exponent=0.5, **tta).update(0, gains, seconds) == 1.0
     with pytest.raises(ValueError, match=r"ef_exponent must be a number in \(0, 1\], got 0"):
         DensityController(candidates, ef_exponent=0)
+
+
+def test_a_density_under_the_floor_may_step_up_one_candidate_whatever_its_gain_reads() -> None:
+    # Running 0.033 on a slow link, the residual it built lowers every measured gain: 0.1 reads 0.69,
+    # under the floor of 0.7.  Dense is 5x the step of 0.1; the next denser candidate is allowed.
+    controller = DensityController(CANDIDATES, rule="goodput", measure_every=1, min_gain=0.7, min_dwell=0)
+    slow = [0.100, 0.020, 0.012, 0.010, 0.009, 0.009]
+    assert controller.update(0, [1.0, 0.92, 0.81, 0.68, 0.5, 0.3], slow) == 0.033
+    assert controller.update(1, [1.0, 0.69, 0.49, 0.35, 0.3, 0.2], slow) == 0.1
+    # On a fast link dense is the rule's choice between the two.
+    controller = DensityController(CANDIDATES, rule="goodput", measure_every=1, min_gain=0.7, min_dwell=0)
+    assert controller.update(0, [1.0, 0.92, 0.81, 0.68, 0.5, 0.3], slow) == 0.033
+    assert controller.update(1, [1.0, 0.69, 0.49, 0.35, 0.3, 0.2], [0.011, 0.010, 0.009, 0.009, 0.009, 0.009]) == 1.0

@@ -59,7 +59,14 @@ AG-Topk 0.1, 0.75: -1.3 over 3), ResNet-18 AR-Topk 0.1 at 0.62: -1.5 over 4, and
 0.22-0.32 lost 2.6-5.2 points (MLP AG- and AR-Topk 0.01: -2.6 and -3.1 over 5 seeds;
 ResNet-18: -3.3 and -5.2 over 4).  So under the floor a slow link gets the sparsest density
 that still keeps dense's accuracy, not the one that is fastest per step; ``min_gain=0`` turns
-the floor off.
+the floor off.  The gains are measured on the error-corrected gradient, whose residual the
+density running built: a sparse density's residual lowers every candidate's measured gain
+(MLP, 2 ranks: the gain at 0.1 read 0.92 after dense steps and 0.69 after 40 steps at 0.033),
+so a density that falls under the floor may always step up to the next denser candidate,
+whatever its gain reads, and the rule chooses between it and those that meet the floor.
+Before, the only candidate left was dense: 80 steps of dense at 100 Mbit, 115 ms against 20 ms
+(one seed of ``benchmarks/adaptive_e2e.py --group mlp`` at 8faf288), until dense's flushed
+residual raised the gains and the controller went sparse again.
 
 Start (no dense warm-up by default): the controller holds density 1.0 only until its first
 decision, which comes at the first agreement point after one gain measurement (step 1 under
@@ -278,8 +285,13 @@ class DensityController:
         return self.density
 
     def _accurate(self, candidates: list[Candidate]) -> list[Candidate]:
-        """The candidates that meet the accuracy floor; the highest-gain one if none does."""
-        return [c for c in candidates if c.gain >= self.min_gain] or [max(candidates, key=lambda c: (c.gain, c.density))]
+        """The candidates that meet the accuracy floor, and the next one denser than the density running
+        (its gain was measured on the residual a sparser density built); the highest-gain one if none."""
+        allowed = [c for c in candidates if c.gain >= self.min_gain]
+        step_up = min((c for c in candidates if c.density > self.density), key=lambda c: c.density, default=None)
+        if step_up is not None and step_up not in allowed:
+            allowed.append(step_up)
+        return allowed or [max(candidates, key=lambda c: (c.gain, c.density))]
 
     def _dwelling(self, step: int, seconds: Sequence[float]) -> bool:
         """Within ``min_dwell`` steps of the last switch, on a link that did not change since the last decision."""

@@ -221,17 +221,11 @@ class ExchangeChooser:
         return True
 
     def _kappa_for(self, bucket: int, exchange: str) -> float:
-        own = self._kappa.get((bucket, exchange))
-        if own is not None:
-            return own
-        others = [k for (b, e), k in sorted(self._kappa.items()) if e == exchange]
-        return sum(others) / len(others) if others else 1.0
+        return _own_or_mean(self._kappa, bucket, exchange)
 
     def _factor_for(self, bucket: int) -> float:
-        """AR-Topk's steps factor on ``bucket``: measured, else the mean over other buckets, else 1 (it gets tried)."""
-        own = self._factor.get((bucket, "artopk"))
-        others = [f for _, f in sorted(self._factor.items())]
-        return own if own is not None else sum(others) / len(others) if others else 1.0
+        """AR-Topk's steps factor on ``bucket`` (1 until measured anywhere: it gets tried)."""
+        return _own_or_mean(self._factor, bucket, "artopk")
 
     def _block_for(self, bucket: int, exchange: str, numel: int) -> float:
         if exchange not in SPARSE:
@@ -400,6 +394,15 @@ class ExchangeChooser:
         self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
         self._factor = {key: float(v) for key, v in _unpairs(state.get("factor", [])).items()}
+
+
+def _own_or_mean(table: dict[tuple[int, str], float], bucket: int, exchange: str) -> float:
+    """``table[bucket, exchange]``; for an unmeasured pair the mean over the exchange's other buckets, else 1."""
+    own = table.get((bucket, exchange))
+    if own is not None:
+        return own
+    others = [v for (_, e), v in sorted(table.items()) if e == exchange]
+    return sum(others) / len(others) if others else 1.0
 
 
 def _pairs(table: dict[tuple[int, str], Any]) -> list[list[Any]]:

@@ -329,7 +329,10 @@ def test_runner_passes_jitter_only_when_the_schedule_has_some() -> None:
         ({"n_hosts": 2, "schedule": "1gbit,2gbit"}, "no duration"),
     ],
 )
-def test_cluster_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+def test_cluster_rejects_bad_arguments(kwargs: dict[str, object], match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Interface names carry the pid: with a 3-digit pid "abcdefgh" + pid + "h199" is exactly 15
+    # characters and passes, so the test runs as a process with a 5-digit pid would.
+    monkeypatch.setattr(os, "getpid", lambda: 54321)
     with pytest.raises(ValueError, match=match):
         EmulatedCluster(**kwargs)  # type: ignore[arg-type]
 

@@ -115,9 +115,9 @@ def spy_updates(controller: DensityController, calls: list | None = None) -> lis
     calls = [] if calls is None else calls
     update = controller.update
 
-    def recorded(step: int, gains: Any, seconds: Any) -> float:
+    def recorded(step: int, gains: Any, seconds: Any, gains_step: int | None = None) -> float:
         calls.append((step, list(seconds)))
-        return update(step, gains, seconds)
+        return update(step, gains, seconds, gains_step)
 
     controller.update = recorded  # type: ignore[method-assign]
     return calls

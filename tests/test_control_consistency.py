@@ -83,7 +83,7 @@ def forced(controller: DensityController, schedule: Callable[[int], float]) -> l
     """Replace the controller's choice by ``schedule(step)``; record the seconds it was given."""
     calls: list[tuple[int, list[float]]] = []
 
-    def update(step: int, gains: Sequence[float], seconds: Sequence[float]) -> float:
+    def update(step: int, gains: Sequence[float], seconds: Sequence[float], gains_step: int | None = None) -> float:
         calls.append((step, list(seconds)))
         controller.density = schedule(step)
         return controller.density
@@ -218,7 +218,7 @@ SLOW = [3.0, 1.5, 1.2, 1.08, 1.02, 1.0]  # goodput picks 0.1
 
 
 def test_a_switch_holds_for_min_dwell_steps_then_takes_the_held_choice() -> None:
-    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)  # min_dwell: 30
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1, admit_margin=0.0)  # min_dwell: 30
     assert controller.update(0, GAINS, SLOW) == 0.1
     # 0.033's time moved 29% (past cost_change, not link_change): it now wins by 7% > hysteresis,
     # but a switch 10 steps after the last one would disturb the residual again.
@@ -229,6 +229,6 @@ def test_a_switch_holds_for_min_dwell_steps_then_takes_the_held_choice() -> None
 
 
 def test_a_link_change_is_followed_at_once_within_the_dwell() -> None:
-    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1)  # min_dwell: 30
+    controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1, admit_margin=0.0)  # min_dwell: 30
     assert controller.update(0, GAINS, SLOW) == 0.1
     assert controller.update(10, GAINS, [3.0, 1.5, 0.55, 1.08, 1.02, 1.0]) == 0.033  # moved 54%: a new link

@@ -65,7 +65,7 @@ def test_near_infinite_bandwidth_keeps_the_densest_candidate() -> None:
 
 def test_very_slow_network_goes_to_the_sparsest_candidate_that_meets_the_gain_floor() -> None:
     gains, seconds = model_inputs(alpha=1e-4, beta=8 / 1e6, t_comp=1e-3)  # 1 Mbit/s
-    controller = DensityController(CANDIDATES, rule="min-time", min_gain=0.6, measure_every=10)
+    controller = DensityController(CANDIDATES, rule="min-time", min_gain=0.6, admit_margin=0.0, measure_every=10)
     final = settled(controller, gains, seconds)[-1]
     expected = min(c for c, g in zip(CANDIDATES, gains) if g >= 0.6)
     assert final == expected < 1.0
@@ -137,8 +137,8 @@ def test_a_density_whose_gain_falls_below_the_floor_is_left_at_once_despite_the_
 
 
 def test_goodput_keeps_its_density_against_a_marginal_winner() -> None:
-    # Hysteresis alone: no minimum dwell between switches.
-    controller = DensityController(CANDIDATES, rule="goodput", measure_every=1, min_dwell=0)
+    # Hysteresis alone: no minimum dwell between switches, no admission margin.
+    controller = DensityController(CANDIDATES, rule="goodput", measure_every=1, min_dwell=0, admit_margin=0.0)
     assert controller.update(0, GAINS, SLOW) == 0.1
     # 0.033 now wins by 2% (0.49 / 0.89 vs 0.81 / 1.5), less than the 5% hysteresis: stay.
     assert controller.update(1, GAINS, [3.0, 1.5, 0.89, 1.08, 1.02, 1.0]) == 0.1
@@ -173,6 +173,8 @@ def test_warmup_and_ramp_bound_the_density() -> None:
     ({"time_weight": 1.0}, "time_weight must be in"),
     ({"time_slack": -0.1}, "time_slack must be a number >= 0"),
     ({"measure_every": 0}, "measure_every must be an int >= 1"),
+    ({"settle_steps": 0}, "settle_steps must be an int >= 1"),
+    ({"admit_margin": -0.1}, r"admit_margin must be a number in \[0, 1\], got -0.1"),
     ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
 ])
 def test_controller_rejects_bad_settings(kwargs: dict, message: str) -> None:
@@ -252,3 +254,40 @@ def test_a_density_under_the_floor_may_step_up_one_candidate_whatever_its_gain_r
     controller = DensityController(CANDIDATES, rule="goodput", measure_every=1, min_gain=0.7, min_dwell=0)
     assert controller.update(0, [1.0, 0.92, 0.81, 0.68, 0.5, 0.3], slow) == 0.033
     assert controller.update(1, [1.0, 0.69, 0.49, 0.35, 0.3, 0.2], [0.011, 0.010, 0.009, 0.009, 0.009, 0.009]) == 1.0
+
+
+def test_a_sparser_candidate_must_read_the_admission_margin_above_the_floor() -> None:
+    # Running dense on a slow link: 0.033 reads 0.75 on dense's empty residual, above the floor of 0.7
+    # but short of 0.8; on its own residual it would read less.  0.1 (0.84) is admitted.
+    slow = [0.100, 0.040, 0.020, 0.012, 0.010, 0.009]
+    gains = [1.0, 0.84, 0.75, 0.6, 0.5, 0.4]
+    controller = DensityController(CANDIDATES, rule="min-time", measure_every=1, min_gain=0.7)
+    assert controller.update(0, gains, slow) == 0.1
+    # Running 0.1, a denser candidate is held to the floor itself: dense qualifies, and 0.1 still does.
+    assert controller.update(1, [1.0, 0.71, 0.6, 0.5, 0.4, 0.3], slow) == 0.1
+    # Without the margin 0.033 qualifies at once.
+    controller = DensityController(CANDIDATES, rule="min-time", measure_every=1, min_gain=0.7, admit_margin=0.0)
+    assert controller.update(0, gains, slow) == 0.033
+
+
+def test_a_curve_measured_before_the_switch_does_not_put_the_new_density_under_the_floor() -> None:
+    # Modelled on seed 4 of the MLP group at ec3866e (where 0.033 read 0.79 at step 210): running 0.033,
+    # the curve read under its residual puts 0.033 (0.48) and 0.1 (0.68) under the floor; the controller
+    # steps up to 0.1 at step 260.  At 270 the link's times
+    # moved (0.1's measured steps), and the curve is still the one read at 260.
+    curve = [1.0, 0.68, 0.48, 0.34, 0.25, 0.17]
+    controller = DensityController(CANDIDATES, rule="tta", measure_every=50, min_gain=0.7, min_dwell=0)
+    assert controller.update(210, [1.0, 0.91, 0.81, 0.66, 0.54, 0.4], [0.102, 0.029, 0.018, 0.015, 0.014, 0.013]) == 0.033
+    times = [0.103, 0.045, 0.022, 0.015, 0.013, 0.013]
+    assert controller.update(260, curve, times) == 0.1
+    moved = [0.103, 0.078, 0.027, 0.035, 0.033, 0.032]
+    # The curve predates the switch: 0.1 keeps qualifying, and a new curve is due once 0.1 ran 10 steps.
+    assert controller.update(270, curve, moved, gains_step=260) == 0.1
+    assert not controller.measure_due(269, 260)
+    assert controller.measure_due(270, 260)
+    assert not controller.measure_due(280, 270)
+    # Read as fresh, the same curve puts 0.1 under the floor: dense, 1.5x 0.1's step.
+    fresh = DensityController(CANDIDATES, rule="tta", measure_every=50, min_gain=0.7, min_dwell=0)
+    fresh.update(210, [1.0, 0.91, 0.81, 0.66, 0.54, 0.4], [0.102, 0.029, 0.018, 0.015, 0.014, 0.013])
+    fresh.update(260, curve, times)
+    assert fresh.update(270, curve, moved) == 1.0

@@ -68,6 +68,19 @@ Before, the only candidate left was dense: 80 steps of dense at 100 Mbit, 115 ms
 (one seed of ``benchmarks/adaptive_e2e.py --group mlp`` at 8faf288), until dense's flushed
 residual raised the gains and the controller went sparse again.
 
+The same bias, read the other way, sets how each candidate is held to the floor.  A reading
+taken on the residual of a denser density overstates what a sparser candidate keeps once it
+runs and builds its own, larger residual: in the MLP group at ec3866e, 0.033 read 0.74-0.79
+after dense steps and 0.48-0.58 after 40 steps of its own; 0.1 read 0.84-0.91 and then
+0.68-0.75.  So a candidate sparser than the density running must read ``min_gain +
+admit_margin`` (default 0.1) to qualify; a denser one, whose reading understates it, the floor
+itself.  And a curve measured before the last switch describes another residual: until a
+curve measured at least ``settle_steps`` (default 10) steps after the switch comes in (the
+controller asks for it then, not ``measure_every`` steps later), the density running keeps
+qualifying (it qualified when chosen).  Before, a curve read under 0.033's residual, reused
+when the link's times moved 10 steps after the step up to 0.1, put 0.1 (0.68) under the floor
+and ran dense for 70 steps at 100 Mbit, 115-130 ms against 60-70 ms (seeds 3 and 4 there).
+
 Start (no dense warm-up by default): the controller holds density 1.0 only until its first
 decision, which comes at the first agreement point after one gain measurement (step 1 under
 the planner's schedule), so where the measured step says dense is slow the first sparse step
@@ -159,6 +172,9 @@ class DensityController:
         time_slack: ``near-fastest``'s allowance over the fastest candidate's time, >= 0.
         time_weight: ``asf``'s weight on time, in (0, 1); the gain's is ``1 - time_weight``.
         min_gain: the accuracy floor, in [0, 1]: no candidate whose gain is below it is chosen.
+        admit_margin: how much more than ``min_gain`` a candidate sparser than the density
+            running must read, in [0, 1].
+        settle_steps: steps after a switch before the gain curve is measured again, >= 1.
         measure_every: least steps between gain measurements (each costs one top-k per
             bucket and one small allreduce).
         warmup_steps: steps at density 1.0 before the controller's first decision.
@@ -179,6 +195,8 @@ class DensityController:
         time_slack: float = 0.1,
         time_weight: float = 0.6,
         min_gain: float = 0.7,
+        admit_margin: float = 0.1,
+        settle_steps: int = 10,
         measure_every: int = 50,
         warmup_steps: int = 0,
         ramp_steps: int = 0,
@@ -203,7 +221,10 @@ class DensityController:
             raise ValueError(f"time_weight must be in (0, 1), got {time_weight}")
         if not 0.0 <= min_gain <= 1.0:
             raise ValueError(f"min_gain must be in [0, 1], got {min_gain}")
-        for name, value in (("measure_every", measure_every), ("redecide_every", redecide_every)):
+        if isinstance(admit_margin, bool) or not isinstance(admit_margin, (int, float)) or not 0.0 <= admit_margin <= 1.0:
+            raise ValueError(f"admit_margin must be a number in [0, 1], got {admit_margin!r}")
+        for name, value in (("measure_every", measure_every), ("redecide_every", redecide_every),
+                            ("settle_steps", settle_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name, value in (("warmup_steps", warmup_steps), ("ramp_steps", ramp_steps), ("min_dwell", min_dwell)):
@@ -215,6 +236,8 @@ class DensityController:
         self.time_slack = float(time_slack)
         self.time_weight = time_weight
         self.min_gain = min_gain
+        self.admit_margin = float(admit_margin)
+        self.settle_steps = settle_steps
         self.measure_every = measure_every
         self.warmup_steps = warmup_steps
         self.ramp_steps = ramp_steps
@@ -234,15 +257,26 @@ class DensityController:
         """Every option that changes a decision: ranks whose settings differ would choose differently."""
         return {"candidates": self.candidates, "rule": self.rule, "ef_exponent": self.ef_exponent,
                 "time_slack": self.time_slack,
-                "time_weight": self.time_weight, "min_gain": self.min_gain, "measure_every": self.measure_every,
+                "time_weight": self.time_weight, "min_gain": self.min_gain, "admit_margin": self.admit_margin,
+                "settle_steps": self.settle_steps, "measure_every": self.measure_every,
                 "warmup_steps": self.warmup_steps, "ramp_steps": self.ramp_steps,
                 "redecide_every": self.redecide_every, "gain_change": self.gain_change,
                 "cost_change": self.cost_change, "hysteresis": self.hysteresis, "min_dwell": self.min_dwell,
                 "link_change": self.link_change}
 
     def measure_due(self, step: int, last: int | None) -> bool:
-        """Whether a decision at ``step`` wants a fresh gain curve (``last``: the step of the newest one)."""
-        return step >= self.warmup_steps and (last is None or step - last >= self.measure_every)
+        """Whether a decision at ``step`` wants a fresh gain curve (``last``: the step of the newest one):
+        every ``measure_every`` steps, and once the density chosen at the last switch has run
+        ``settle_steps`` steps, if the newest curve predates it."""
+        if step < self.warmup_steps:
+            return False
+        if last is None or step - last >= self.measure_every:
+            return True
+        return self._predates_switch(last) and step - self._switched_at >= self.settle_steps
+
+    def _predates_switch(self, gains_step: int) -> bool:
+        """Whether a curve read at ``gains_step`` (measured the step before) ran on another density's residual."""
+        return self._switched_at is not None and gains_step <= self._switched_at
 
     def floor_density(self, step: int) -> float:
         """The smallest density the ramp allows at ``step``."""
@@ -253,14 +287,19 @@ class DensityController:
         allowed = min(len(self.candidates) - 1, 1 + (step - self.warmup_steps) // self.ramp_steps)
         return self.candidates[allowed]
 
-    def update(self, step: int, gains: Sequence[float], seconds: Sequence[float]) -> float:
-        """Take the agreed objectives of every candidate (in ``self.candidates`` order); return the density."""
+    def update(self, step: int, gains: Sequence[float], seconds: Sequence[float], gains_step: int | None = None) -> float:
+        """Take the agreed objectives of every candidate (in ``self.candidates`` order); return the density.
+
+        ``gains_step``: the step whose agreement point read the gain curve (``step`` if None).
+        """
         if len(gains) != len(self.candidates) or len(seconds) != len(self.candidates):
             raise ValueError("need one gain and one time per candidate")
         if not self._should_redecide(step, gains, seconds):
             return self.density
         floor = self.floor_density(step)
-        allowed = self._accurate([Candidate(c, g, t) for c, g, t in zip(self.candidates, gains, seconds) if c >= floor])
+        stale = self._predates_switch(step if gains_step is None else gains_step)
+        allowed = self._accurate([Candidate(c, g, t) for c, g, t in zip(self.candidates, gains, seconds) if c >= floor],
+                                 stale)
         front = pareto_front(allowed)
         chosen = self._pick(front)
         kept = next((c for c in front if c.density == self.density), None)
@@ -284,10 +323,17 @@ class DensityController:
         })
         return self.density
 
-    def _accurate(self, candidates: list[Candidate]) -> list[Candidate]:
-        """The candidates that meet the accuracy floor, and the next one denser than the density running
-        (its gain was measured on the residual a sparser density built); the highest-gain one if none."""
-        allowed = [c for c in candidates if c.gain >= self.min_gain]
+    def _accurate(self, candidates: list[Candidate], stale: bool) -> list[Candidate]:
+        """The candidates that meet the accuracy floor (see the module docstring: a sparser one by
+        ``admit_margin`` more, the one running always while ``stale``), and the next one denser than the
+        density running (its gain was measured on the residual a sparser density built); the
+        highest-gain one if none."""
+        def qualifies(c: Candidate) -> bool:
+            if c.density == self.density:
+                return stale or c.gain >= self.min_gain
+            return c.gain >= self.min_gain + (self.admit_margin if c.density < self.density else 0.0)
+
+        allowed = [c for c in candidates if qualifies(c)]
         step_up = min((c for c in candidates if c.density > self.density), key=lambda c: c.density, default=None)
         if step_up is not None and step_up not in allowed:
             allowed.append(step_up)

@@ -320,7 +320,7 @@ class StepPlanner:
             # A step that ran before the model knew any bucket (step 0) pairs with the model now.
             self.periods.observe(step, density, period, ran_under or now)
         if self._gains is not None:
-            self.controller.update(step, self._gains, self.periods.predict(candidates, simulated))
+            self.controller.update(step, self._gains, self.periods.predict(candidates, simulated), self._gains_at)
 
     def _simulated_as_ran(self, density: float, best: float) -> float:
         """The simulated step, under the model now, of the plan that ran at ``density``: flex's plan in

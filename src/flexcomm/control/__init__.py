@@ -4,7 +4,8 @@
 controller behind it are its parts.
 """
 
-from flexcomm.control.density import DEFAULT_CANDIDATES, RULES, Candidate, DensityController, pareto_front
+from flexcomm.control.density import DEFAULT_CANDIDATES, RULES, DensityController
+from flexcomm.control.front import Candidate, pareto_front
 from flexcomm.control.exchange import Choice, ExchangeChooser
 from flexcomm.control.planner import Plan, StepPlanner
 

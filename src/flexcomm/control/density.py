@@ -103,8 +103,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
+
+from flexcomm.control.front import Candidate, asf_scores, goodput, knee_index, pareto_front
 
 RULES = ("goodput", "tta", "near-fastest", "asf", "min-time", "knee")
 DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
@@ -112,54 +114,6 @@ DEFAULT_CANDIDATES = (1.0, 0.1, 0.033, 0.011, 0.004, 0.001)
 #: with six candidates is ~1.3 KB of Python objects (tracemalloc): 1000 of them would grow a long run by
 #: ~1.3 MB, in a soak over its first hour; the step records carry the density of every step anyway.
 DECISION_LOG = 128
-
-
-@dataclass(frozen=True)
-class Candidate:
-    density: float
-    gain: float
-    seconds: float
-
-
-def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Candidates not dominated (another at least as good on both, better on one), densest first."""
-    def dominated(c: Candidate) -> bool:
-        return any(
-            o.gain >= c.gain and o.seconds <= c.seconds and (o.gain > c.gain or o.seconds < c.seconds)
-            for o in candidates
-        )
-
-    return sorted((c for c in candidates if not dominated(c)), key=lambda c: -c.density)
-
-
-def _normalized(front: Sequence[Candidate]) -> list[tuple[float, float]]:
-    """(time, gain shortfall) of each front point scaled to [0, 1]; 0 is the best on the front."""
-    t_lo, t_hi = min(c.seconds for c in front), max(c.seconds for c in front)
-    g_lo, g_hi = min(c.gain for c in front), max(c.gain for c in front)
-    return [
-        ((c.seconds - t_lo) / (t_hi - t_lo) if t_hi > t_lo else 0.0, (g_hi - c.gain) / (g_hi - g_lo) if g_hi > g_lo else 0.0)
-        for c in front
-    ]
-
-
-def asf_scores(front: Sequence[Candidate], time_weight: float, rho: float = 1e-3) -> list[float]:
-    """Achievement scalarizing score of each front point (lower is better)."""
-    gain_weight = 1.0 - time_weight
-    return [
-        max(time_weight * t, gain_weight * g) + rho * (time_weight * t + gain_weight * g)
-        for t, g in _normalized(front)
-    ]
-
-
-def knee_index(front: Sequence[Candidate]) -> int:
-    """Index of the front point farthest from the chord between the front's ends."""
-    if len(front) < 3:
-        return 0
-    points = _normalized(front)
-    (x0, y0), (x1, y1) = points[0], points[-1]
-    length = math.hypot(x1 - x0, y1 - y0) or 1.0
-    distances = [abs((x1 - x0) * (y0 - y) - (x0 - x) * (y1 - y0)) / length for x, y in points]
-    return max(range(len(front)), key=lambda i: (distances[i], -i))
 
 
 class DensityController:
@@ -364,7 +318,7 @@ class DensityController:
         if self.rule == "tta":
             return min(front, key=lambda c: (self._time_to_accuracy(c), -c.density))
         if self.rule == "goodput":
-            return max(front, key=lambda c: (_goodput(c), c.density))
+            return max(front, key=lambda c: (goodput(c), c.density))
         if self.rule == "near-fastest":
             return max(self._near_fastest(front), key=lambda c: (c.gain, c.density))
         if self.rule == "min-time":
@@ -384,7 +338,7 @@ class DensityController:
         if self.rule == "tta":
             return self._time_to_accuracy(chosen) < self._time_to_accuracy(current) * (1.0 - self.hysteresis)
         if self.rule == "goodput":
-            return _goodput(chosen) > _goodput(current) * (1.0 + self.hysteresis)
+            return goodput(chosen) > goodput(current) * (1.0 + self.hysteresis)
         if self.rule == "near-fastest":
             if current not in self._near_fastest(front):
                 return True  # too slow now: leave at once
@@ -413,11 +367,6 @@ class DensityController:
         self._last = state["last"]
         self._switched_at = state["switched_at"]
         self.decisions = deque(state["decisions"], maxlen=DECISION_LOG)
-
-
-def _goodput(c: Candidate) -> float:
-    """Gradient energy share applied per second of step."""
-    return c.gain * c.gain / c.seconds if c.seconds > 0.0 else math.inf
 
 
 def _moved(now: float, before: float, threshold: float) -> bool:

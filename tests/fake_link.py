@@ -43,14 +43,15 @@ class FakeLink:
         identity: the agreement allreduces are identities (one process); else the real
             ``allreduce_floats_async`` runs (ranks of a real group).
         jitter: seconds added to every third step's compute (ranks measuring different times).
+        probe_cost: seconds the probes take (at step 0 and every ``probe_every`` steps).
     """
 
     def __init__(self, patch: Patch, rate_bps: float, compute: float = 0.1, select: float = 0.004,
                  extra: dict[float, float] | None = None, alpha: float = 1e-4, identity: bool = True,
-                 jitter: float = 0.0, cast: float = 0.001) -> None:
+                 jitter: float = 0.0, cast: float = 0.001, probe_cost: float = 0.0) -> None:
         self.rate_bps, self.alpha = rate_bps, alpha
         self.compute, self.select, self.extra, self.jitter = compute, select, extra or {}, jitter
-        self.cast = cast
+        self.cast, self.probe_cost = cast, probe_cost
         self.clock = 0.0
         gen = torch.Generator().manual_seed(0)
         self.grad = torch.randn(M, generator=gen) * torch.rand(M, generator=gen).pow(6)
@@ -69,6 +70,7 @@ class FakeLink:
         return CostParams.uniform(LinkParams.from_bandwidth(self.alpha, self.rate_bps))
 
     def probe(self, sizes: tuple[int, ...]) -> list[Observation]:
+        self.clock += _tick(self.probe_cost)
         return [Observation(kind, size, WORLD, collective_time(kind, size, WORLD, self.params))
                 for size in sizes for kind in KINDS]
 

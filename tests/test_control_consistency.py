@@ -232,3 +232,18 @@ def test_a_link_change_is_followed_at_once_within_the_dwell() -> None:
     controller = DensityController(CANDIDATES, warmup_steps=0, ramp_steps=1, measure_every=1, admit_margin=0.0)  # min_dwell: 30
     assert controller.update(0, GAINS, SLOW) == 0.1
     assert controller.update(10, GAINS, [3.0, 1.5, 0.55, 1.08, 1.02, 1.0]) == 0.033  # moved 54%: a new link
+
+
+# ---------------------------------------------------------------- the guard compares plans, not probes
+
+def test_a_step_that_probed_gives_the_guard_no_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps 0 and 5 probe the collectives (1 s of them here); step 0 also pays one-time set-up.  Taken for
+    # a step of the plan, such a period made all-dense steps look faster and the guard ran them for 55 steps.
+    link = FakeLink(monkeypatch.setattr, rate_bps=1e9, probe_cost=1.0)
+    planner = make_planner(None, None, density=0.01, probe_every=5)
+    periods = []
+    for step in range(12):
+        link.step(planner, step)
+        periods += [seconds for seconds, _ in planner.chooser.measured_steps.values()]
+    assert periods, "no period was agreed"
+    assert max(periods) < 0.5, periods

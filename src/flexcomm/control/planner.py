@@ -236,8 +236,11 @@ class StepPlanner:
         self._expected += expected
         self._pending += closed
         now = perf_counter()
-        # An exploration's step ran neither the plan nor all-dense: its period describes neither.
-        if self._last_begin is not None and closed and closed[0].step != self._explored_step:
+        # An exploration's step ran neither the plan nor all-dense: its period describes neither.  A
+        # step that probed also ran the probes' collectives, and the first (step 0) its one-time
+        # set-up: 70 ms against 16 ms for the next dense16 steps (MLP, 1 Gbit), which made the
+        # guard take 28 ms fp32 dense steps for faster and run them for 55 steps.
+        if self._last_begin is not None and closed and closed[0].step not in (self._explored_step, self.probed_at):
             dense = all(s.exchange == "dense" for s in closed)
             self._periods.append((now - self._last_begin, dense, closed[0].density, self._simulated))
         self._last_begin = now

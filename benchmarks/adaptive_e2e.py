@@ -127,6 +127,7 @@ def row_of(run: Run, target: float | None, auto_seconds: float | None) -> dict[s
     densities = [r.get("density") for r in run.records]
     switches = sum(1 for a, b in zip(densities, densities[1:]) if a is not None and b is not None and a != b)
     evals = run.evals
+    recorded = any("explored" in r for r in run.records)
     return {
         "seed": run.spec.seed, "method": method_of(run), "target": target,
         "time_to_target_s": time_to_target(run, target)[0] if target is not None else None,
@@ -138,7 +139,26 @@ def row_of(run: Run, target: float | None, auto_seconds: float | None) -> dict[s
         "mean_density": statistics.fmean(d for d in densities if d is not None) if any(d is not None for d in densities) else None,
         "switches_per_100": 100 * switches / max(1, len(densities)),
         "bytes_mb": sum(r["bytes"] for r in run.records) / 1e6,
+        # Records written before explorations were recorded have no "explored": unknown, not none.
+        "explored_per_100": 100 * sum(1 for r in run.records if r.get("explored")) / max(1, len(run.records))
+        if recorded else None,
+        "exploration_cost_pct": exploration_cost_pct(run.records) if recorded else None,
     }
+
+
+def exploration_cost_pct(records: list[dict[str, Any]], around: int = 5) -> float:
+    """Share of training time that explorations added, in percent: per explored step, its time above
+    the median of the unexplored steps within ``around`` steps of it (an estimate: their neighbours
+    ran the plan on the same link)."""
+    times = [r["t_step"] for r in records]
+    explored = [i for i, r in enumerate(records) if r.get("explored")]
+    extra = 0.0
+    for i in explored:
+        plain = [times[j] for j in range(max(0, i - around), min(len(times), i + around + 1))
+                 if not records[j].get("explored")]
+        if plain:
+            extra += max(0.0, times[i] - statistics.median(plain))
+    return 100 * extra / sum(times) if times else 0.0
 
 
 def _target(dense: Run | None) -> float | None:
@@ -197,10 +217,12 @@ def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> Non
     methods.sort(key=lambda m: (m.startswith("flex "), m))
     table = md_table(
         ["method", "time to target s", f"final acc (last {FINAL_EVALS})", "acc when auto ended", "step ms", "density",
-         "switches/100"],
+         "switches/100", "explored/100", "exploration cost %"],
         [[m, *(_summary([r[k] for r in rows if r["method"] == m])
                for k in ("time_to_target_s", "final_accuracy", "accuracy_at_auto_time", "mean_step_ms", "mean_density",
-                         "switches_per_100"))]
+                         "switches_per_100")),
+          *(_summary(values) if any(v is not None for v in values) else "-"
+            for values in ([r[k] for r in rows if r["method"] == m] for k in ("explored_per_100", "exploration_cost_pct")))]
          for m in methods])
     goal_table = md_table(
         ["seed", "fastest static", "auto / fastest static (<= 1.0 median, 1.15 worst)", "auto - dense, points (>= -1)",

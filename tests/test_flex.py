@@ -169,6 +169,31 @@ def test_a_pair_tried_and_measured_fast_is_taken() -> None:
     assert model.plan == {0: "dense"}
 
 
+def test_explorations_back_off_while_they_confirm_the_plan_and_resume_when_it_changes() -> None:
+    model = chooser_at(20e9, [0, 1])  # fast: every exchange is within the margin
+    model.replan(0.01, 2)
+    plan = dict(model.plan)
+
+    def explored_steps(steps: range) -> list[int]:
+        found = []
+        for step in steps:
+            if step % 10 == 0 and step > steps.start:
+                model.replan(0.01, 2)  # an agreement point every 10 steps
+            if [model.choose(b, step, 0.01, 2) for b in (0, 1)] != [plan[0], plan[1]]:
+                found.append(step)
+        return found
+
+    # Each replan that kept the plan after an exploration doubles the interval, up to 4x.
+    assert explored_steps(range(0, 200)) == [0, 20, 40, 80, 120, 160]
+    # Whole all-dense steps measured faster: the guard changes the plan, and explorations are due every 10 steps.
+    model.observe_steps(200, dense=0.01, other=0.5)
+    model.guard_every = 0
+    model.replan(0.01, 2)  # the agreement point at step 200
+    plan = {0: "dense", 1: "dense"}
+    assert explored_steps(range(200, 240)) == [200, 220]
+    assert model.plan == plan
+
+
 def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None:
     model = chooser_at(1e9, [0, 1])
     model.sizes[1] = (2_000_000, 4)

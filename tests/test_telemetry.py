@@ -13,10 +13,10 @@ from flexcomm.exchange.job import BucketRecord
 
 
 def _record(step: int, bucket: int, exchange: str, numel: int, k: int, nbytes: int, t_compress: float,
-            t_exchange: float, predicted: float = math.nan, density: float = 0.01) -> BucketRecord:
+            t_exchange: float, predicted: float = math.nan, density: float = 0.01, explored: bool = False) -> BucketRecord:
     return BucketRecord(step=step, bucket=bucket, numel=numel, exchange=exchange, k=k, leader=-1,
                         t_compress=t_compress, t_exchange=t_exchange, bytes_sent=nbytes, gain=math.nan,
-                        predicted=predicted, density=density)
+                        predicted=predicted, density=density, explored=explored)
 
 
 def _mixed_step(step: int = 7, predicted: tuple[float, float, float] = (0.5, 0.25, 0.125)) -> list[BucketRecord]:
@@ -24,7 +24,7 @@ def _mixed_step(step: int = 7, predicted: tuple[float, float, float] = (0.5, 0.2
     return [
         _record(step, 0, "dense", 1000, 1000, 4000, 0.0, 0.5, predicted[0]),
         _record(step, 1, "artopk", 1000, 10, 80, 0.25, 0.25, predicted[1]),
-        _record(step, 2, "agtopk", 1000, 10, 80, 0.125, 0.125, predicted[2]),
+        _record(step, 2, "agtopk", 1000, 10, 80, 0.125, 0.125, predicted[2], explored=True),
     ]
 
 
@@ -37,6 +37,7 @@ def test_step_metrics_of_a_mixed_step() -> None:
         "flexcomm/share_dense16": 0.0,
         "flexcomm/share_agtopk": 1 / 3,
         "flexcomm/share_artopk": 1 / 3,
+        "flexcomm/share_explored": 1 / 3,
         "flexcomm/bytes_sent": 4160,
         "flexcomm/exchange_time_s": 1.25,
         "flexcomm/predicted_exchange_time_s": 0.875,
@@ -53,6 +54,7 @@ def test_all_dense_step_has_density_one_and_no_prediction_without_a_model() -> N
         "flexcomm/share_dense16": 0.0,
         "flexcomm/share_agtopk": 0.0,
         "flexcomm/share_artopk": 0.0,
+        "flexcomm/share_explored": 0.0,
         "flexcomm/bytes_sent": 4000,
         "flexcomm/exchange_time_s": 0.5,
     }

@@ -293,6 +293,7 @@ class FlexState:
         record = BucketRecord(
             step=step, bucket=index, numel=numel, exchange=plan.exchange, k=k, leader=-1, t_compress=0.0,
             t_exchange=0.0, bytes_sent=0, gain=math.nan, predicted=plan.predicted, density=plan.density,
+            explored=plan.explored,
         )
         outcome = DeviceOutcome()
         self.records.append(record)

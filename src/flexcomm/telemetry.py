@@ -19,6 +19,8 @@ Keys of the newest step (from its :class:`~flexcomm.BucketRecord` list; present 
 ``flexcomm/share_dense16``,             dense allreduce in fp16 (``flex``), AG-Topk (allgather;
 ``flexcomm/share_agtopk``,              ``mstopk`` too) and AR-Topk; they sum to 1.
 ``flexcomm/share_artopk``
+``flexcomm/share_explored``             fraction of the step's buckets whose exchange was ``flex``
+                                        trying an alternative (exploration), not its plan's choice.
 ``flexcomm/bytes_sent``                 bytes this rank handed to the step's collectives (payload,
                                         not wire bytes).
 ``flexcomm/exchange_time_s``            seconds, measured: summed over buckets, local work of the
@@ -129,6 +131,7 @@ def step_metrics(records: Sequence[BucketRecord]) -> dict[str, float]:
         "density": max(compressed) if compressed else 1.0,
         "sent_fraction": sum(r.k for r in records) / numel if numel else 1.0,
         **{f"share_{e}": sum(r.exchange == e for r in records) / len(records) for e in EXCHANGES},
+        "share_explored": sum(r.explored for r in records) / len(records),
         "bytes_sent": sum(r.bytes_sent for r in records),
         "exchange_time_s": sum(r.t_compress + r.t_exchange for r in records),
     }

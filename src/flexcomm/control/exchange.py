@@ -39,13 +39,9 @@ allreduce fit once dropped to beta = 0 and rated dense at 100 Mbit at 2 ms), and
 on such a prediction ran whole intervals of dense steps at 10-20x the sparse step.  A drift
 upwards (a slower link) is followed at once: it only makes a pair look worse.
 
-Exploration: the plan's own choices are measured at every step; an alternative is only
-measured when it is tried.  Every ``explore_every`` steps one bucket (by the step counter)
-runs its least recently measured alternative -- if the model predicts the step with that
-alternative within ``explore_margin`` (50%) of the plan's, or, for an alternative never
-measured on that bucket, within ``2 * explore_margin + 1`` (3x the plan's step): a wrong
-model corrects itself within ``explore_every * buckets * 2`` steps at a bounded price, and
-clearly worse choices (dense on a slow link) are never tried.
+Exploration (:mod:`flexcomm.control.exploration`): every ``explore_every`` steps, backed off
+up to 4x while the explorations keep confirming the plan, one bucket tries an alternative the
+model rates within ``explore_margin`` of the plan.
 
 The guard (:mod:`flexcomm.control.guard`): when whole all-dense steps measured faster than
 the plan's, the plan is all-dense; every ``guard_every`` steps a short trial keeps both measured.
@@ -60,9 +56,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flexcomm.control.exploration import backed_off, exploration
 from flexcomm.control.guard import GUARD_MARGIN, GUARD_TRIAL_STEPS, smoothed_periods
 from flexcomm.control.quality import steps_factor
-from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, plan_cost, simulate_step
+from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, simulate_step
 from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, predict_exchange_times
 
 #: A measured pair the model now rates this many times faster than it last measured is tried before a plan adopts it.
@@ -140,8 +137,10 @@ class ExchangeChooser:
         self._recent: set[tuple[int, str]] = set()
         # bucket -> the exchange a replan wanted but must try first (see TRUST_DRIFT).
         self._wanted: dict[int, str] = {}
-        # (step, bucket) of the last exploration.
+        # (step, bucket) of the last exploration; whether one ran since the last replan; the back-off.
         self._explored: tuple[int, int] | None = None
+        self._explored_since_replan = False
+        self._explore_scale = 1
         # Steps factor of AR-Topk pairs (EWMA): the followers send less than their own top-k.
         self._factor: dict[tuple[int, str], float] = {}
 
@@ -248,6 +247,7 @@ class ExchangeChooser:
         """
         if not self.order:
             return
+        before = dict(self.plan)
         self.plan_density = density
         costs = self.step_costs(density, world)
         current = self._start(costs, self._simulated_plan)
@@ -259,6 +259,9 @@ class ExchangeChooser:
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
         if dense and other and dense[0] < other[0] * (1.0 - self.hysteresis):
             self.plan = {b: "dense" for b in self.order}
+        self._explore_scale = backed_off(self._explore_scale, self.plan != before, bool(self._wanted),
+                                         self._explored_since_replan)
+        self._explored_since_replan = False
 
     def _drifted_faster(self, bucket: int, exchange: str, world: int) -> bool:
         """Whether the model rates a pair not measured in the last interval ``TRUST_DRIFT`` times below its last measurement."""
@@ -309,6 +312,7 @@ class ExchangeChooser:
         explored = self._exploration(step, density, world)
         if explored is not None and explored[0] == bucket:
             self._explored = (step, bucket)
+            self._explored_since_replan = True
             return explored[1]
         return self.plan[bucket]
 
@@ -320,26 +324,11 @@ class ExchangeChooser:
         return Choice(exchange, {e: costs.total(e) for e in EXCHANGE_ORDER}, self._explored == (step, bucket))
 
     def _exploration(self, step: int, density: float, world: int) -> tuple[int, str] | None:
-        if not self.explore_every or step % self.explore_every or len(self.plan) != len(self.order):
+        every = self.explore_every * self._explore_scale
+        if not every or step % every:
             return None
-        position = (step // self.explore_every) % len(self.order)
-        bucket = self.order[position]
-        wanted = self._wanted.get(bucket)
-        if wanted is not None and wanted != self.plan[bucket]:
-            return bucket, wanted
-        costs = self.step_costs(density, world)
-        planned = [self.plan[b] for b in self.order]
-        now = plan_cost(costs, planned)
-
-        def worth_a_try(e: str) -> bool:
-            # A model that never saw e run here may be far off: a wider margin, once.
-            margin = self.explore_margin if (bucket, e) in self._measured_at else 2.0 * self.explore_margin + 1.0
-            return plan_cost(costs, planned[:position] + [e] + planned[position + 1:]) <= now * (1.0 + margin)
-
-        cheap = [e for e in EXCHANGE_ORDER if e != self.plan[bucket] and worth_a_try(e)]
-        if not cheap:
-            return None
-        return bucket, min(cheap, key=lambda e: (self._measured_at.get((bucket, e), -1), EXCHANGE_ORDER.index(e)))
+        return exploration(step, every, self.explore_margin, self.order, self.plan, self._wanted,
+                           self.step_costs(density, world), self._measured_at)
 
     def predicted(self, bucket: int, exchange: str, density: float, world: int) -> float:
         """Predicted blocking + comm seconds of one bucket exchange (what the records compare with)."""
@@ -374,7 +363,8 @@ class ExchangeChooser:
                 "measured_steps": dict(self.measured_steps),
                 "simulated_plan": dict(self._simulated_plan), "anchor": _pairs(self._anchor),
                 "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted),
-                "factor": _pairs(self._factor)}
+                "factor": _pairs(self._factor), "explore_scale": self._explore_scale,
+                "explored_since_replan": self._explored_since_replan}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
@@ -394,6 +384,8 @@ class ExchangeChooser:
         self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
         self._factor = {key: float(v) for key, v in _unpairs(state.get("factor", [])).items()}
+        self._explore_scale = int(state.get("explore_scale", 1))  # absent from states saved before the back-off
+        self._explored_since_replan = bool(state.get("explored_since_replan", False))
 
 
 def _own_or_mean(table: dict[tuple[int, str], float], bucket: int, exchange: str) -> float:

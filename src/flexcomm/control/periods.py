@@ -1,5 +1,8 @@
 """Whole-step periods measured per density, and every candidate's predicted period from them.
 
+:class:`RecentPeriods` holds this rank's periods until an agreement point's allreduce agrees
+on their medians; :class:`StepPeriods` keeps the agreed ones and predicts from them.
+
 A step's period is the wall time from its first bucket to the next step's first bucket: the
 exchanges the step simulation (:func:`~flexcomm.control.exchange.simulate_step`) models
 plus what it leaves out (forward, the backward before the first bucket, the optimizer).
@@ -30,6 +33,7 @@ optimizer, and single steps jumped to the sparsest density.)
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,3 +85,56 @@ class StepPeriods:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._measured = {float(d): (float(p), float(s), int(at)) for d, p, s, at in state["measured"]}
+
+
+class RecentPeriods:
+    """This rank's whole-step periods since the last agreement point: the period slots of its
+    measurement allreduce.
+
+    Each period is the wall time from a step's first bucket to the next step's first bucket,
+    kept with whether every bucket of the step went dense, the step's density and the
+    model's simulated step at that density when the step ran (0: none).
+    """
+
+    def __init__(self) -> None:
+        self._last_begin: float | None = None
+        self._periods: list[tuple[float, bool, float, float]] = []
+
+    def step_began(self, now: float, ended: tuple[bool, float, float] | None) -> None:
+        """A step began at ``now``; ``ended``: (all dense, density, simulated) of the step that ended, or
+        ``None`` to keep no period for it."""
+        if self._last_begin is not None and ended is not None:
+            self._periods.append((now - self._last_begin, *ended))
+        self._last_begin = now
+
+    def clear(self) -> None:
+        """The periods went into an agreement point's allreduce."""
+        self._periods = []
+
+    def medians(self, candidates: Sequence[float]) -> list[float]:
+        """The period slots, a fixed number for ``candidates`` (0: none).
+
+        The medians of all-dense steps and of the others (the guard's); for each candidate
+        density the median period of the steps run at it and the median of the simulated
+        steps they ran under (the same on every rank).  Combined by MAX: the slowest rank's.
+        """
+        periods = [_median([t for t, dense, _, _ in self._periods if dense]),
+                   _median([t for t, dense, _, _ in self._periods if not dense])]
+        periods += [_median([t for t, _, d, _ in self._periods if d == c]) for c in candidates]
+        periods += [_median([sim for _, _, d, sim in self._periods if d == c]) for c in candidates]
+        return periods
+
+    def state_dict(self, now: float) -> dict[str, Any]:
+        """The periods, and the open step's age at ``now`` (a clock reading does not survive a restart)."""
+        return {"step_periods": [list(p) for p in self._periods],
+                "since_begin": None if self._last_begin is None else now - self._last_begin}
+
+    def load_state_dict(self, state: dict[str, Any], now: float) -> None:
+        self._periods = [(float(t), bool(dense), float(d), float(sim)) for t, dense, d, sim in state["step_periods"]]
+        since = state["since_begin"]
+        self._last_begin = None if since is None else now - since
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median, 0.0 for none (a value every rank can send)."""
+    return statistics.median(values) if values else 0.0

@@ -60,7 +60,6 @@ as the uninterrupted one.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,7 +76,7 @@ from flexcomm.control.density import DensityController
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.agreement_point import AgreementPoint
 from flexcomm.control.measurements import AgreedSample
-from flexcomm.control.periods import StepPeriods
+from flexcomm.control.periods import RecentPeriods, StepPeriods
 from flexcomm.control.step_log import LocalSample, StepLog, sample_from_row, sample_row
 from flexcomm.cost import CostEstimator, Observation
 
@@ -93,11 +92,13 @@ REGIME_CHANGE = 1.5
 
 @dataclass(frozen=True)
 class Plan:
-    """One bucket's decision: the exchange, the density, and the model's time for it (NaN if none)."""
+    """One bucket's decision: the exchange, the density, the model's time for it (NaN if none), and
+    whether it is an exploration (not the exchange the plan or the guard chose)."""
 
     exchange: str
     density: float
     predicted: float = math.nan
+    explored: bool = False
 
 
 class StepPlanner:
@@ -140,11 +141,8 @@ class StepPlanner:
         # Local samples and the (step, bucket) every rank planned, since the last agreement point.
         self._pending: list[LocalSample] = []
         self._expected: list[tuple[int, int]] = []
-        # Wall time between consecutive steps' first buckets (a whole iteration) since the last
-        # agreement point: (seconds, whether every bucket went dense, the step's density, the model's
-        # simulated step at that density when the step ran; 0: none).
-        self._last_begin: float | None = None
-        self._periods: list[tuple[float, bool, float, float]] = []
+        # Whole-step periods since the last agreement point.
+        self._recent = RecentPeriods()
         self._simulated = 0.0
         # The last step in which a bucket explored an alternative (its period is not kept).
         self._explored_step: int | None = None
@@ -222,11 +220,13 @@ class StepPlanner:
         measure = self._agrees_at(step + 1) and bool(self._expected)
         if not measure and self._gain_energy is None:
             return
-        periods = self._period_medians() if measure else None
+        candidates = self.controller.candidates if self.controller else ()
+        periods = self._recent.medians(candidates) if measure else None
         self._agreement = AgreementPoint.issue(self._expected if measure else [], self._pending if measure else [],
                                                periods, self._gain_energy, self.group)
         if measure:
-            self._pending, self._expected, self._periods = [], [], []
+            self._pending, self._expected = [], []
+            self._recent.clear()
         self._gain_energy = None
 
     def _close_step(self) -> None:
@@ -235,15 +235,13 @@ class StepPlanner:
         closed = self._log.close()
         self._expected += expected
         self._pending += closed
-        now = perf_counter()
         # An exploration's step ran neither the plan nor all-dense: its period describes neither.  A
         # step that probed also ran the probes' collectives, and the first (step 0) its one-time
         # set-up: 70 ms against 16 ms for the next dense16 steps (MLP, 1 Gbit), which made the
         # guard take 28 ms fp32 dense steps for faster and run them for 55 steps.
-        if self._last_begin is not None and closed and closed[0].step not in (self._explored_step, self.probed_at):
-            dense = all(s.exchange == "dense" for s in closed)
-            self._periods.append((now - self._last_begin, dense, closed[0].density, self._simulated))
-        self._last_begin = now
+        kept = bool(closed) and closed[0].step not in (self._explored_step, self.probed_at)
+        ended = (all(s.exchange == "dense" for s in closed), closed[0].density, self._simulated) if kept else None
+        self._recent.step_began(perf_counter(), ended)
 
     def _agrees_at(self, step: int) -> bool:
         """Every ``flex_interval`` steps, and at steps 1, 2, 4, ... before the first such step:
@@ -254,6 +252,7 @@ class StepPlanner:
         """How this bucket is exchanged at ``step``."""
         density = self.density
         world = self.world_size
+        explored = False
         # Under density="auto", density 1.0 means dense (sending every index would only add bytes):
         # a fixed compressor's fp32 dense, flex's choice of dense or dense16.
         if step < self.warmup_steps or (self.controller is not None and density >= 1.0 and self.exchange is not None):
@@ -262,15 +261,15 @@ class StepPlanner:
             exchange = self.exchange
         else:
             choice = self.chooser.choice(bucket_index, numel, density, world, value_bytes, step)
-            exchange = choice.exchange
-            if choice.explored:
+            exchange, explored = choice.exchange, choice.explored
+            if explored:
                 self._explored_step = step
         if not self.estimating:
             return Plan(exchange, density)
         self.chooser.sizes.setdefault(bucket_index, (numel, value_bytes))
         predicted = self.chooser.predicted(bucket_index, exchange, density, world)
         self._log.entered(step, bucket_index, exchange, density, numel, value_bytes, predicted)
-        return Plan(exchange, density, predicted)
+        return Plan(exchange, density, predicted, explored)
 
     def observe_gain(self, bucket_index: int, accumulated: torch.Tensor, workspace: TopkWorkspace) -> None:
         """Add one bucket's kept energy per candidate density (and its total) to this step's curve."""
@@ -333,20 +332,6 @@ class StepPlanner:
         ran = self.chooser.plan_seconds(self.world_size)
         return ran if math.isfinite(ran) else best
 
-    def _period_medians(self) -> list[float]:
-        """This rank's period slots of the measurement allreduce, a fixed number (0: none).
-
-        The medians of all-dense steps and of the others (the guard's); under ``auto`` also, per
-        candidate density, the median period of the steps run at it and the median of the
-        simulated steps they ran under (the same on every rank).  Combined by MAX: the slowest rank's.
-        """
-        candidates = self.controller.candidates if self.controller else ()
-        periods = [_median([t for t, dense, _, _ in self._periods if dense]),
-                   _median([t for t, dense, _, _ in self._periods if not dense])]
-        periods += [_median([t for t, _, d, _ in self._periods if d == c]) for c in candidates]
-        periods += [_median([sim for _, _, d, sim in self._periods if d == c]) for c in candidates]
-        return periods
-
     def _observe_measurements(self, agreed: list[AgreedSample], periods: Sequence[float]) -> None:
         """Feed the chooser the agreed step samples and periods, the same on every rank."""
         candidates = self.controller.candidates if self.controller else ()
@@ -389,12 +374,11 @@ class StepPlanner:
             "periods": self.periods.state_dict(),
             "pending": [sample_row(s) for s in self._pending],
             "expected": [list(key) for key in self._expected],
-            "step_periods": [list(p) for p in self._periods],
+            **self._recent.state_dict(perf_counter()),
             "simulated": self._simulated,
             "explored_step": self._explored_step,
             "open_step": self._log.state_dict(),
             "agreement": None if self._agreement is None else self._agreement.state_dict(),
-            "since_begin": None if self._last_begin is None else perf_counter() - self._last_begin,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -409,21 +393,15 @@ class StepPlanner:
         self.periods.load_state_dict(state["periods"])
         self._pending = [sample_from_row(row) for row in state["pending"]]
         self._expected = [(int(s), int(b)) for s, b in state["expected"]]
-        self._periods = [(float(t), bool(dense), float(d), float(sim)) for t, dense, d, sim in state["step_periods"]]
+        self._recent.load_state_dict(state, perf_counter())
         self._simulated = state["simulated"]
         self._explored_step = state.get("explored_step")  # absent from states saved before it was kept
         self._log.load_state_dict(state["open_step"])
         agreement = state.get("agreement")  # absent from states saved before agreements were issued early
         self._agreement = None if agreement is None else AgreementPoint.from_state(agreement)
-        since = state["since_begin"]
-        self._last_begin = None if since is None else perf_counter() - since
 
 
 def _step_sample(a: AgreedSample) -> StepSample:
     s = a.sample
     return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap, a.kept_min, a.kept_max)
 
-
-def _median(values: Sequence[float]) -> float:
-    """The median, 0.0 for none (a value every rank can send)."""
-    return statistics.median(values) if values else 0.0

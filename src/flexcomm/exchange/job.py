@@ -25,7 +25,8 @@ class BucketRecord:
     values, residual update, writing the result back); ``t_exchange`` runs from the first
     collective's launch to the last one's completion.
     ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.  ``predicted`` is the
-    cost model's time for the chosen exchange (``flex`` only, else NaN).
+    cost model's time for the chosen exchange (``flex`` only, else NaN); ``explored``: the
+    exchange was ``flex`` trying an alternative, not its plan's choice.
     """
 
     step: int
@@ -41,6 +42,7 @@ class BucketRecord:
     finite: bool = True
     predicted: float = math.nan
     density: float = math.nan
+    explored: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,7 +15,8 @@ included), ``loss`` (rank 0's mini-batch loss), ``t_step`` (the whole step),
 ``bytes`` (payload this rank handed to collectives), ``density``, ``exchanges``,
 ``leaders`` (AR-Topk index-source ranks), ``gain`` (mean compression gain over
 buckets), ``finite`` (false: some rank's gradient was not finite, so the hook made the
-update NaN everywhere and the optimizer step was skipped); at evaluation points also
+update NaN everywhere and the optimizer step was skipped), ``explored`` (some bucket ran
+``flex``'s exploration of an alternative exchange); at evaluation points also
 ``accuracy`` and ``test_loss``.
 """
 

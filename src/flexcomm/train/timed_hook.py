@@ -41,7 +41,8 @@ class StepComm:
     hook's synchronous part).  ``t_sync``: sum over buckets of exchange time, which
     partly overlaps backward.  ``t_wait``: how long backward was held up by
     communication (blocked inside hooks, plus waiting for the last exchanges).
-    ``density``: elements exchanged / gradient elements.
+    ``density``: elements exchanged / gradient elements.  ``explored``: some bucket ran
+    ``flex``'s exploration of an alternative exchange, not its plan's.
     """
 
     t_compress: float
@@ -53,6 +54,7 @@ class StepComm:
     leaders: list[int]
     gain: float | None
     finite: bool
+    explored: bool = False
 
 
 @dataclass
@@ -232,6 +234,7 @@ def _summarise_records(records: list[flexcomm.BucketRecord], in_hook: float, tai
         leaders=sorted({r.leader for r in records if r.leader >= 0}),
         gain=sum(gains) / len(gains) if gains else None,
         finite=all(r.finite for r in records),
+        explored=any(r.explored for r in records),
     )
 
 

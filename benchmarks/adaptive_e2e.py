@@ -146,18 +146,23 @@ def row_of(run: Run, target: float | None, auto_seconds: float | None) -> dict[s
     }
 
 
-def exploration_cost_pct(records: list[dict[str, Any]], around: int = 5) -> float:
-    """Share of training time that explorations added, in percent: per explored step, its time above
-    the median of the unexplored steps within ``around`` steps of it (an estimate: their neighbours
-    ran the plan on the same link)."""
+def exploration_cost_pct(records: list[dict[str, Any]], interval: int = 10, span: int = 50) -> float:
+    """Share of training time that explorations added, in percent (an estimate).
+
+    Explorations fall on agreement points (every ``interval`` steps, the app's ``flex_interval``),
+    which carry the agreement's own work too; so each explored step is compared with the
+    median of the unexplored steps of the same phase (``step % interval``) within ``span``
+    steps of it, and what it took above that counts.
+    """
     times = [r["t_step"] for r in records]
-    explored = [i for i, r in enumerate(records) if r.get("explored")]
     extra = 0.0
-    for i in explored:
-        plain = [times[j] for j in range(max(0, i - around), min(len(times), i + around + 1))
-                 if not records[j].get("explored")]
-        if plain:
-            extra += max(0.0, times[i] - statistics.median(plain))
+    for i, r in enumerate(records):
+        if not r.get("explored"):
+            continue
+        same_phase = [times[j] for j in range(max(0, i - span), min(len(times), i + span + 1))
+                      if j % interval == i % interval and j != i and not records[j].get("explored")]
+        if same_phase:
+            extra += max(0.0, times[i] - statistics.median(same_phase))
     return 100 * extra / sum(times) if times else 0.0
 
 

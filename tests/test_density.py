@@ -131,9 +131,9 @@ def test_no_rule_goes_below_the_accuracy_floor(rule: str) -> None:
 def test_a_density_whose_gain_falls_below_the_floor_is_left_at_once_despite_the_dwell() -> None:
     controller = DensityController(CANDIDATES, rule="near-fastest", measure_every=1, min_gain=0.6, min_dwell=100)
     assert controller.update(0, GAINS, SLOW) == 0.033  # gain 0.7; 0.011 (0.5) is under the floor
-    # The gain at 0.033 drops to 0.55 (the residual built up at this density), times unchanged: a dwell of
-    # 100 steps would hold any other move, but not this one.
-    assert controller.update(1, [1.0, 0.9, 0.55, 0.5, 0.3, 0.2], SLOW) == 0.1
+    # The gain at 0.033 drops to 0.55 (the residual built up at this density; a curve read at step 2 was
+    # measured on it), times unchanged: a dwell of 100 steps would hold any other move, but not this one.
+    assert controller.update(2, [1.0, 0.9, 0.55, 0.5, 0.3, 0.2], SLOW) == 0.1
 
 
 def test_goodput_keeps_its_density_against_a_marginal_winner() -> None:

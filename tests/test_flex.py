@@ -169,29 +169,49 @@ def test_a_pair_tried_and_measured_fast_is_taken() -> None:
     assert model.plan == {0: "dense"}
 
 
+def explorations(model: ExchangeChooser, steps: range, density: float = 0.01, confirm: bool = True) -> list[int]:
+    """Run ``steps`` with an agreement point every 10, where (``confirm``) the explorations of the interval before
+    come in measured as the model predicted them; return the steps where a bucket left the plan."""
+    found: dict[int, tuple[int, str]] = {}
+    for step in steps:
+        if step % 10 == 0 and step > steps.start:
+            for explored, (bucket, exchange) in found.items():
+                if confirm and explored >= step - 10:
+                    modelled = model.predicted(bucket, exchange, density, 2)
+                    model.observe(explored, [StepSample(bucket, exchange, density, 0.0, modelled, 0.0)], 2)
+            model.replan(density, 2)
+        plan = dict(model.plan)
+        left = [(b, e) for b in model.order if (e := model.choose(b, step, density, 2)) != plan[b]]
+        if left:
+            found[step] = left[0]
+    return sorted(found)
+
+
 def test_explorations_back_off_while_they_confirm_the_plan_and_resume_when_it_changes() -> None:
-    model = chooser_at(20e9, [0, 1])  # fast: every exchange is within the margin
+    model = chooser_at(1e7, [0, 1])  # AG-Topk and AR-Topk within the margin of each other
     model.replan(0.01, 2)
-    plan = dict(model.plan)
-
-    def explored_steps(steps: range) -> list[int]:
-        found = []
-        for step in steps:
-            if step % 10 == 0 and step > steps.start:
-                model.replan(0.01, 2)  # an agreement point every 10 steps
-            if [model.choose(b, step, 0.01, 2) for b in (0, 1)] != [plan[0], plan[1]]:
-                found.append(step)
-        return found
-
-    # Each replan that kept the plan after an exploration doubles the interval, up to 4x.
-    assert explored_steps(range(0, 200)) == [0, 20, 40, 80, 120, 160]
+    # Each replan after an exploration's samples came in and left the plan doubles the interval, up to 4x.
+    assert explorations(model, range(0, 200)) == [0, 20, 40, 80, 120, 160]
     # Whole all-dense steps measured faster: the guard changes the plan, and explorations are due every 10 steps.
+    # Explorations whose samples never came in back nothing off.
+    unseen = chooser_at(1e7, [0, 1])
+    unseen.replan(0.01, 2)
+    assert explorations(unseen, range(0, 40), confirm=False) == [0, 10, 20, 30]
     model.observe_steps(200, dense=0.01, other=0.5)
     model.guard_every = 0
     model.replan(0.01, 2)  # the agreement point at step 200
-    plan = {0: "dense", 1: "dense"}
-    assert explored_steps(range(200, 240)) == [200, 220]
-    assert model.plan == plan
+    assert model.plan == {0: "dense", 1: "dense"}
+    assert explorations(model, range(200, 240)) == [200, 220]
+
+
+def test_a_new_density_resets_the_exploration_back_off() -> None:
+    model = chooser_at(1e7, [0, 1])  # slow: sparse plans at both densities
+    model.replan(0.01, 2)
+    assert explorations(model, range(0, 100)) == [0, 20, 40, 80]
+    plan = dict(model.plan)
+    model.replan(0.033, 2)  # the controller moved the density
+    assert model.plan == plan  # the same exchange names, measured at another density
+    assert explorations(model, range(100, 140), density=0.033)[:1] == [100]
 
 
 def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None:

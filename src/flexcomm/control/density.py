@@ -74,10 +74,11 @@ runs and builds its own, larger residual: in the MLP group at ec3866e, 0.033 rea
 after dense steps and 0.48-0.58 after 40 steps of its own; 0.1 read 0.84-0.91 and then
 0.68-0.75.  So a candidate sparser than the density running must read ``min_gain +
 admit_margin`` (default 0.1) to qualify; a denser one, whose reading understates it, the floor
-itself.  And a curve measured before the last switch describes another residual: until a
-curve measured at least ``settle_steps`` (default 10) steps after the switch comes in (the
-controller asks for it then, not ``measure_every`` steps later), the density running keeps
-qualifying (it qualified when chosen).  Before, a curve read under 0.033's residual, reused
+itself.  And a curve measured before the last switch, or at its first step (on the residual
+the old density left), describes another residual: until a curve measured at the
+``settle_steps``-th step (default 10) of the new density or later comes in (the controller asks
+for it then, not ``measure_every`` steps later), the density running keeps qualifying (it
+qualified when chosen).  Before, a curve read under 0.033's residual, reused
 when the link's times moved 10 steps after the step up to 0.1, put 0.1 (0.68) under the floor
 and ran dense for 70 steps at 100 Mbit, 115-130 ms against 60-70 ms (seeds 3 and 4 there).
 
@@ -128,7 +129,8 @@ class DensityController:
         min_gain: the accuracy floor, in [0, 1]: no candidate whose gain is below it is chosen.
         admit_margin: how much more than ``min_gain`` a candidate sparser than the density
             running must read, in [0, 1].
-        settle_steps: steps after a switch before the gain curve is measured again, >= 1.
+        settle_steps: the new density's step, after a switch, at which the gain curve is measured
+            again, >= 1.
         measure_every: least steps between gain measurements (each costs one top-k per
             bucket and one small allreduce).
         warmup_steps: steps at density 1.0 before the controller's first decision.
@@ -221,7 +223,8 @@ class DensityController:
     def measure_due(self, step: int, last: int | None) -> bool:
         """Whether a decision at ``step`` wants a fresh gain curve (``last``: the step of the newest one):
         every ``measure_every`` steps, and once the density chosen at the last switch has run
-        ``settle_steps`` steps, if the newest curve predates it."""
+        ``settle_steps - 1`` steps (the curve is measured the step before ``step``), if the
+        newest curve was measured on the residual of the density before it."""
         if step < self.warmup_steps:
             return False
         if last is None or step - last >= self.measure_every:
@@ -229,8 +232,9 @@ class DensityController:
         return self._predates_switch(last) and step - self._switched_at >= self.settle_steps
 
     def _predates_switch(self, gains_step: int) -> bool:
-        """Whether a curve read at ``gains_step`` (measured the step before) ran on another density's residual."""
-        return self._switched_at is not None and gains_step <= self._switched_at
+        """Whether a curve read at ``gains_step`` ran on another density's residual: it was measured the
+        step before, on the gradient plus the residual of the step before that."""
+        return self._switched_at is not None and gains_step <= self._switched_at + 1
 
     def floor_density(self, step: int) -> float:
         """The smallest density the ramp allows at ``step``."""

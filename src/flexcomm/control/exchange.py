@@ -137,9 +137,10 @@ class ExchangeChooser:
         self._recent: set[tuple[int, str]] = set()
         # bucket -> the exchange a replan wanted but must try first (see TRUST_DRIFT).
         self._wanted: dict[int, str] = {}
-        # (step, bucket) of the last exploration; whether one ran since the last replan; the back-off.
+        # (step, bucket) of the last exploration; whether its agreed samples came in since the last
+        # replan; the back-off of the exploration interval.
         self._explored: tuple[int, int] | None = None
-        self._explored_since_replan = False
+        self._exploration_seen = False
         self._explore_scale = 1
         # Steps factor of AR-Topk pairs (EWMA): the followers send less than their own top-k.
         self._factor: dict[tuple[int, str], float] = {}
@@ -189,6 +190,8 @@ class ExchangeChooser:
             self._smooth(self._gap, s.bucket, s.gap)
             self._measured_at[key] = step
             self._fresh.add(key)
+            if self._explored == (step, s.bucket):
+                self._exploration_seen = True
             factor = steps_factor(s.kept_min, s.kept_max) if s.exchange == "artopk" else None
             if factor is not None:
                 self._smooth(self._factor, key, factor)
@@ -247,7 +250,7 @@ class ExchangeChooser:
         """
         if not self.order:
             return
-        before = dict(self.plan)
+        before, density_before = dict(self.plan), self.plan_density
         self.plan_density = density
         costs = self.step_costs(density, world)
         current = self._start(costs, self._simulated_plan)
@@ -259,9 +262,10 @@ class ExchangeChooser:
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
         if dense and other and dense[0] < other[0] * (1.0 - self.hysteresis):
             self.plan = {b: "dense" for b in self.order}
-        self._explore_scale = backed_off(self._explore_scale, self.plan != before, bool(self._wanted),
-                                         self._explored_since_replan)
-        self._explored_since_replan = False
+        # A new density is a new plan, whatever its exchange names: its pairs were measured at another.
+        changed = self.plan != before or density != density_before
+        self._explore_scale = backed_off(self._explore_scale, changed, bool(self._wanted), self._exploration_seen)
+        self._exploration_seen = False
 
     def _drifted_faster(self, bucket: int, exchange: str, world: int) -> bool:
         """Whether the model rates a pair not measured in the last interval ``TRUST_DRIFT`` times below its last measurement."""
@@ -312,7 +316,6 @@ class ExchangeChooser:
         explored = self._exploration(step, density, world)
         if explored is not None and explored[0] == bucket:
             self._explored = (step, bucket)
-            self._explored_since_replan = True
             return explored[1]
         return self.plan[bucket]
 
@@ -364,7 +367,8 @@ class ExchangeChooser:
                 "simulated_plan": dict(self._simulated_plan), "anchor": _pairs(self._anchor),
                 "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted),
                 "factor": _pairs(self._factor), "explore_scale": self._explore_scale,
-                "explored_since_replan": self._explored_since_replan}
+                "explored": None if self._explored is None else list(self._explored),
+                "exploration_seen": self._exploration_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.estimator.load_state_dict(state["estimator"])
@@ -384,8 +388,11 @@ class ExchangeChooser:
         self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
         self._factor = {key: float(v) for key, v in _unpairs(state.get("factor", [])).items()}
-        self._explore_scale = int(state.get("explore_scale", 1))  # absent from states saved before the back-off
-        self._explored_since_replan = bool(state.get("explored_since_replan", False))
+        # Absent from states saved before the back-off: explorations every explore_every steps.
+        self._explore_scale = int(state.get("explore_scale", 1))
+        explored = state.get("explored")
+        self._explored = None if explored is None else (int(explored[0]), int(explored[1]))
+        self._exploration_seen = bool(state.get("exploration_seen", False))
 
 
 def _own_or_mean(table: dict[tuple[int, str], float], bucket: int, exchange: str) -> float:

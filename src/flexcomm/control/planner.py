@@ -44,7 +44,8 @@ received in the same collective, so every rank decides alike:
   step 0, for the decision at step 1).  Each candidate's step time comes from step periods
   measured at that same density where there are any (:mod:`flexcomm.control.periods`); a
   step's period, from its first bucket to the next step's, is closed at that next step (not
-  kept for a step where a bucket explored: it ran neither the plan nor all-dense).
+  kept for a step where a bucket explored: it ran neither the plan nor all-dense; nor for a
+  step that probed, step 0 among them: it also ran the probes and one-time set-up).
   Whenever the density changes the exchange plan is made again for it.
 * the first ``warmup_steps`` steps, and density 1.0 under ``auto`` with a fixed
   compressor, are dense (fp32); ``flex`` at density 1.0 plans between dense and dense16.

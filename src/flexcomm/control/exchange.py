@@ -328,7 +328,7 @@ class ExchangeChooser:
 
     def _exploration(self, step: int, density: float, world: int) -> tuple[int, str] | None:
         every = self.explore_every * self._explore_scale
-        if not every or step % every:
+        if not every or step % every or len(self.plan) != len(self.order):
             return None
         return exploration(step, every, self.explore_margin, self.order, self.plan, self._wanted,
                            self.step_costs(density, world), self._measured_at)

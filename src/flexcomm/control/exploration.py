@@ -35,9 +35,8 @@ MAX_BACKOFF = 4
 def exploration(step: int, every: int, margin: float, order: Sequence[int], plan: Mapping[int, str],
                 wanted: Mapping[int, str], costs: Sequence[BucketCosts],
                 measured_at: Mapping[tuple[int, str], int]) -> tuple[int, str] | None:
-    """The (bucket, alternative) explored at ``step``, a multiple of ``every`` (the interval in force), or None."""
-    if len(plan) != len(order):
-        return None
+    """The (bucket, alternative) explored at ``step``, a multiple of ``every`` (the interval in force), or
+    None; ``plan`` holds every bucket of ``order``."""
     position = (step // every) % len(order)
     bucket = order[position]
     trial = wanted.get(bucket)
@@ -57,9 +56,10 @@ def exploration(step: int, every: int, margin: float, order: Sequence[int], plan
     return bucket, min(cheap, key=lambda e: (measured_at.get((bucket, e), -1), EXCHANGE_ORDER.index(e)))
 
 
-def backed_off(scale: int, plan_changed: bool, waiting: bool, explored: bool) -> int:
+def backed_off(scale: int, plan_changed: bool, waiting: bool, confirmed: bool) -> int:
     """The interval's factor after a replan: 1 on a new plan or one waiting for its trial, doubled
-    (up to :data:`MAX_BACKOFF`) when an exploration since the last replan left the plan as it was."""
+    (up to :data:`MAX_BACKOFF`) when an exploration whose agreed samples came in since the last
+    replan left the plan as it was (``confirmed``)."""
     if plan_changed or waiting:
         return 1
-    return min(2 * scale, MAX_BACKOFF) if explored else scale
+    return min(2 * scale, MAX_BACKOFF) if confirmed else scale

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from flexcomm.train import demo
+from flexcomm.train.records import final_accuracy
 
 TINY = ["--", "--dataset", "synthetic", "--train-subset", "256", "--test-subset", "64", "--threads", "1"]
 
@@ -28,6 +29,16 @@ def test_demo_without_emulation_runs_both_on_loopback_and_says_so(
     assert "time to 1.0% accuracy" in printed and "dense DDP" in printed and "PowerSGD r4" in printed
     assert "flexcomm's final accuracy is" in printed
     assert f"plot: {tmp_path / 'accuracy.png'}" in printed and (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_final_accuracy_averages_the_last_evaluations_on_its_grid() -> None:
+    # Evaluated every 5 steps for 300 steps: the final accuracy spans the run's end (after steps
+    # 250, 275 and 300), not its last 10 steps.
+    records = [{"step": s, **({"accuracy": s / 1000} if (s + 1) % 5 == 0 else {})} for s in range(300)]
+    assert final_accuracy(records, 25) == pytest.approx((0.249 + 0.274 + 0.299) / 3)
+    assert final_accuracy(records) == pytest.approx((0.289 + 0.294 + 0.299) / 3)
+    assert final_accuracy(records[:20], 25) == pytest.approx((0.009 + 0.014 + 0.019) / 3)  # none on the grid yet
+    assert final_accuracy([{"step": 0}], 25) is None
 
 
 def test_table_compares_with_the_first_run() -> None:

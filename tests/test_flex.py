@@ -200,7 +200,7 @@ def test_explorations_back_off_while_they_confirm_the_plan_and_resume_when_it_ch
     model.observe_steps(200, dense=0.01, other=0.5)
     model.guard_every = 0
     model.replan(0.01, 2)  # the agreement point at step 200
-    assert model.plan == {0: "dense", 1: "dense"}
+    assert model.plan == {0: "dense16", 1: "dense16"}
     assert explorations(model, range(200, 240)) == [200, 220]
 
 
@@ -223,6 +223,7 @@ def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None
 
 def test_exploration_is_scheduled_by_the_step_counter_and_bounded_by_the_margin() -> None:
     model = chooser_at(20e9, [0, 1])  # fast: every exchange is within the margin
+    model.guard_every = 0  # no guard trials (all-dense16 steps) in between
     model.plan = {0: "dense", 1: "dense"}
     explored = {step: [model.choose(b, step, 0.01, 2) for b in (0, 1)] for step in range(0, 40)}
     changed = {step: c for step, c in explored.items() if c != ["dense", "dense"]}
@@ -248,23 +249,38 @@ def test_replan_and_state_round_trip_are_deterministic() -> None:
     assert restored.step_seconds(0.01, 2, None) == first.step_seconds(0.01, 2, None)
 
 
-def test_guard_goes_all_dense_when_dense_steps_measure_faster() -> None:
-    # The model prefers AR-Topk (a slow link in its eyes), but whole all-dense steps measured
-    # faster than the plan's: the plan becomes all-dense; the guard's trials (3 steps every
-    # guard_every steps) then run the simulated plan, so the comparison stays fresh.
+@pytest.mark.parametrize("dense16, arm", [(True, "dense16"), (False, "dense")])
+def test_guard_goes_all_dense_when_dense_steps_measure_faster(dense16: bool, arm: str) -> None:
+    # The model prefers AG-Topk (a slow link in its eyes), but whole all-dense steps measured
+    # faster than the plan's: the plan becomes all-dense (dense16 where flex may send it, as
+    # PyTorch's fp16 hook does); the guard's trials (3 steps every guard_every steps) then run
+    # the simulated plan, so the comparison stays fresh.
     model = chooser_at(1e8, [0, 1])
+    model.dense16 = dense16
     model.guard_every = 10
     model.replan(0.01, 2)
     simulated = dict(model.plan)
-    assert set(simulated.values()) != {"dense"}
+    assert model.guard_exchange == arm and arm not in simulated.values()
     model.observe_steps(10, dense=0.5, other=0.8)
     model.replan(0.01, 2)
-    assert model.plan == {0: "dense", 1: "dense"}
-    assert [model.choose(0, step, 0.01, 2) for step in (10, 11, 12, 13)] == [simulated[0]] * 3 + ["dense"]
+    assert model.plan == {0: arm, 1: arm}
+    assert [model.choose(0, step, 0.01, 2) for step in (10, 11, 12, 13)] == [simulated[0]] * 3 + [arm]
     model.observe_steps(20, dense=None, other=0.2)  # the sparse plan got 4x faster: taken whole (0.8 -> 0.2)
     model.observe_steps(30, dense=None, other=0.1)
     model.replan(0.01, 2)
     assert model.plan == simulated
+
+
+def test_a_mixed_dense_plan_gives_way_to_all_dense16_steps_that_measured_faster() -> None:
+    # MLP group, seed 3, at 809c9e4: at density 1.0 one bucket stayed on fp32 dense (the simulation
+    # let its allreduce hide behind backward) and the steps took 20 ms against 16 ms all-dense16,
+    # for 50 steps; the guard's trials ran fp32 on both buckets (27-32 ms) and never tried dense16.
+    model = chooser_at(1e9, [0, 1])
+    model.plan = {0: "dense", 1: "dense16"}
+    assert [model.choose(b, step, 1.0, 2) for step in (25, 26, 27, 28) for b in (0, 1)] == ["dense16"] * 6 + ["dense", "dense16"]
+    model.observe_steps(30, dense=0.016, other=0.020)
+    model.replan(1.0, 2)
+    assert model.plan == {0: "dense16", 1: "dense16"}
 
 
 def test_guard_forgets_a_dense_period_measured_before_the_link_changed() -> None:
@@ -287,12 +303,12 @@ def test_guard_tries_dense_only_when_the_model_rates_it_close_to_the_plan() -> N
     # the plan.  After a drop the model can rate dense far too fast (a 3-step trial of dense
     # at 20 Mbit/s took 12 s), and what the guard corrects is tens of percent, not 2.5x.
     model = chooser_at(1e9, [0, 1])
-    model.replan(0.2, 2)
-    costs = model.step_costs(0.2, 2)
+    model.replan(0.1, 2)
+    costs = model.step_costs(0.1, 2)
     plan = [model.plan[b] for b in model.order]
-    assert "dense" not in plan
-    assert 1.5 < simulate_step(costs, ["dense", "dense"]) / simulate_step(costs, plan) < 5.0
-    assert [model.choose(b, step, 0.2, 2) for step in (25, 26, 27) for b in (0, 1)] == plan * 3
+    assert "dense16" not in plan
+    assert 1.5 < simulate_step(costs, ["dense16", "dense16"]) / simulate_step(costs, plan) < 5.0
+    assert [model.choose(b, step, 0.1, 2) for step in (25, 26, 27) for b in (0, 1)] == plan * 3
 
 
 def test_single_bucket_choices_follow_the_link() -> None:

@@ -45,6 +45,7 @@ model rates within ``explore_margin`` of the plan.
 
 The guard (:mod:`flexcomm.control.guard`): when whole all-dense steps measured faster than
 the plan's, the plan is all-dense; every ``guard_every`` steps a short trial keeps both measured.
+All-dense means dense16 where flex may send it on every bucket, else fp32.
 
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexcomm.control.exploration import backed_off, exploration
-from flexcomm.control.guard import GUARD_MARGIN, GUARD_TRIAL_STEPS, smoothed_periods
+from flexcomm.control.guard import arm_exchange, guard_trial, smoothed_periods
 from flexcomm.control.quality import steps_factor
 from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, simulate_step
 from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, predict_exchange_times
@@ -128,7 +129,7 @@ class ExchangeChooser:
         self._measured_at: dict[tuple[int, str], int] = {}
         # Pairs measured since the last refresh: the ones whose calibration a refit must not move.
         self._fresh: set[tuple[int, str]] = set()
-        # The guard: measured whole-step periods of all-dense steps and of the others, (seconds, step).
+        # The guard: measured whole-step periods of all-dense steps (its arm) and of the others, (seconds, step).
         self.measured_steps: dict[str, tuple[float, int]] = {}
         self._simulated_plan: dict[int, str] = {}
         # Calibrated comm seconds of each pair at its last measurement (its own density and world size).
@@ -261,7 +262,7 @@ class ExchangeChooser:
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
         if dense and other and dense[0] < other[0] * (1.0 - self.hysteresis):
-            self.plan = {b: "dense" for b in self.order}
+            self.plan = self._guard_plan()
         # A new density is a new plan, whatever its exchange names: its pairs were measured at another.
         changed = self.plan != before or density != density_before
         self._explore_scale = backed_off(self._explore_scale, changed, bool(self._wanted), self._exploration_seen)
@@ -282,17 +283,13 @@ class ExchangeChooser:
         """Agreed median step periods of the last all-dense steps and of the others (None: none ran)."""
         self.measured_steps = smoothed_periods(self.measured_steps, step, dense, other, self.smoothing)
 
-    def _guard_trial(self, step: int, density: float, world: int) -> dict[int, str] | None:
-        """Every ``guard_every`` steps, ``GUARD_TRIAL_STEPS`` steps of the plan the guard is not using, if not far off."""
-        if not self.guard_every or step % self.guard_every >= GUARD_TRIAL_STEPS or set(self.plan) != set(self.order):
-            return None
-        dense = {b: "dense" for b in self.order}
-        if self.plan == dense:
-            usable = set(self._simulated_plan) == set(self.order) and self._simulated_plan != dense
-            return self._simulated_plan if usable else None
-        costs = self.step_costs(density, world)
-        planned = simulate_step(costs, [self.plan[b] for b in self.order])
-        return dense if simulate_step(costs, list(dense.values())) <= GUARD_MARGIN * planned else None
+    @property
+    def guard_exchange(self) -> str:
+        """The exchange of the guard's all-dense steps (:func:`~flexcomm.control.guard.arm_exchange`)."""
+        return arm_exchange((vb for _, vb in self.sizes.values()), self.dense16)
+
+    def _guard_plan(self) -> dict[int, str]:
+        return dict.fromkeys(self.order, self.guard_exchange)
 
     def _start(self, costs: Sequence[BucketCosts], plan: Mapping[int, str]) -> list[str]:
         """``plan`` in hook order, where a bucket without a usable choice takes its cheapest exchange alone.
@@ -310,7 +307,8 @@ class ExchangeChooser:
         """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
         if bucket not in self.plan:
             return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
-        trial = self._guard_trial(step, density, world)
+        trial = guard_trial(step, self.guard_every, self.plan, self._simulated_plan, self._guard_plan(),
+                            lambda: self.step_costs(density, world))
         if trial is not None:
             return trial[bucket]
         explored = self._exploration(step, density, world)

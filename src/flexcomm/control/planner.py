@@ -241,7 +241,8 @@ class StepPlanner:
         # set-up: 70 ms against 16 ms for the next dense16 steps (MLP, 1 Gbit), which made the
         # guard take 28 ms fp32 dense steps for faster and run them for 55 steps.
         kept = bool(closed) and closed[0].step not in (self._explored_step, self.probed_at)
-        ended = (all(s.exchange == "dense" for s in closed), closed[0].density, self._simulated) if kept else None
+        guard = self.chooser.guard_exchange
+        ended = (all(s.exchange == guard for s in closed), closed[0].density, self._simulated) if kept else None
         self._recent.step_began(perf_counter(), ended)
 
     def _agrees_at(self, step: int) -> bool:

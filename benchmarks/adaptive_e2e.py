@@ -43,7 +43,7 @@ from common import figure, save, write_csv
 from runs import RESULTS, Run, Spec, fmt, load, md_table, time_to_target
 
 from flexcomm.control.density import RULES
-from flexcomm.train.records import FINAL_EVALS, final_accuracy, on_grid
+from flexcomm.train.records import FINAL_EVALS, final_accuracy
 
 FULL_TEST_SET = 10_000
 TARGET_FRACTION = 0.95
@@ -117,15 +117,14 @@ def method_of(run: Run) -> str:
 
 
 def accuracy_by(run: Run, seconds: float, every: int) -> float | None:
-    """Mean of the last ``FINAL_EVALS`` evaluations on the ``every`` grid within the first ``seconds`` of training time."""
-    elapsed, seen = 0.0, []
+    """The final accuracy (:func:`~flexcomm.train.records.final_accuracy`) of the run's first ``seconds`` of training time."""
+    elapsed, prefix = 0.0, []
     for r in run.records:
         elapsed += r["t_step"]
         if elapsed > seconds:
             break
-        if on_grid(r, every):
-            seen.append(r["accuracy"])
-    return statistics.fmean(seen[-FINAL_EVALS:]) if seen else None
+        prefix.append(r)
+    return final_accuracy(prefix, every)
 
 
 def row_of(run: Run, target: float | None, auto_seconds: float | None, final_every: int) -> dict[str, Any]:

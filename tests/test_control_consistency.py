@@ -236,6 +236,22 @@ def test_a_link_change_is_followed_at_once_within_the_dwell() -> None:
 
 # ---------------------------------------------------------------- the guard compares plans, not probes
 
+def test_dense16_steps_are_the_guards_all_dense_steps_and_warm_up_steps_neither(monkeypatch: pytest.MonkeyPatch) -> None:
+    # flex at density 1.0 on a 1 Gbit link plans dense16: its steps are the guard's all-dense steps
+    # (what the fp16 hook sends), not the plan's "other" steps.  Warm-up steps run fp32 dense, which
+    # is neither: they keep no period (they had started the plan's period at fp32's time).
+    link = FakeLink(monkeypatch.setattr, rate_bps=1e9)
+    planner = make_planner(None, None, density=1.0)
+    ran = link.run(planner, range(1, 25))
+    assert all(exchange == "dense16" for step, (_, exchange) in enumerate(ran, start=1) if step % 10)  # 10, 20: explorations
+    assert planner.chooser.guard_exchange == "dense16"
+    assert set(planner.chooser.measured_steps) == {"dense"}
+    warming = StepPlanner(None, 0.01, None, warmup_steps=30, flex_interval=10, probe_every=1000,
+                          probe_sizes=(65536, 1 << 20), forgetting=0.9, group=None)
+    assert {exchange for _, exchange in link.run(warming, range(1, 25))} == {"dense"}
+    assert warming.chooser.measured_steps == {}
+
+
 def test_a_step_that_probed_gives_the_guard_no_period(monkeypatch: pytest.MonkeyPatch) -> None:
     # Steps 0 and 5 probe the collectives (1 s of them here); step 0 also pays one-time set-up.  Taken for
     # a step of the plan, such a period made all-dense steps look faster and the guard ran them for 55 steps.

@@ -32,12 +32,13 @@ def test_demo_without_emulation_runs_both_on_loopback_and_says_so(
 
 
 def test_final_accuracy_averages_the_last_evaluations_on_its_grid() -> None:
-    # Evaluated every 5 steps for 300 steps: the final accuracy spans the run's end (after steps
-    # 250, 275 and 300), not its last 10 steps.
-    records = [{"step": s, **({"accuracy": s / 1000} if (s + 1) % 5 == 0 else {})} for s in range(300)]
-    assert final_accuracy(records, 25) == pytest.approx((0.249 + 0.274 + 0.299) / 3)
-    assert final_accuracy(records) == pytest.approx((0.289 + 0.294 + 0.299) / 3)
-    assert final_accuracy(records[:20], 25) == pytest.approx((0.009 + 0.014 + 0.019) / 3)  # none on the grid yet
+    # Evaluated every 5 steps: the final accuracy spans the run's end (after steps 250, 275 and 300
+    # of 300; 260, 285 and 310 of 310), not its last 10 steps.
+    records = [{"step": s, **({"accuracy": s / 1000} if (s + 1) % 5 == 0 or s == 309 else {})} for s in range(310)]
+    assert final_accuracy(records[:300], 25) == pytest.approx((0.249 + 0.274 + 0.299) / 3)
+    assert final_accuracy(records, 25) == pytest.approx((0.259 + 0.284 + 0.309) / 3)
+    assert final_accuracy(records[:300]) == pytest.approx((0.289 + 0.294 + 0.299) / 3)
+    assert final_accuracy(records[:40], 25) == pytest.approx((0.029 + 0.034 + 0.039) / 3)  # too few on the grid
     assert final_accuracy([{"step": 0}], 25) is None
 
 

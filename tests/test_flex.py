@@ -169,11 +169,17 @@ def test_a_pair_tried_and_measured_fast_is_taken() -> None:
     assert model.plan == {0: "dense"}
 
 
-def explorations(model: ExchangeChooser, steps: range, density: float = 0.01, confirm: bool = True) -> list[int]:
+def explorations(model: ExchangeChooser, steps: range, density: float = 0.01, confirm: bool = True,
+                 restore_at: int | None = None) -> list[int]:
     """Run ``steps`` with an agreement point every 10, where (``confirm``) the explorations of the interval before
-    come in measured as the model predicted them; return the steps where a bucket left the plan."""
+    come in measured as the model predicted them; return the steps where a bucket left the plan.
+    ``restore_at``: before that step, go on with a new chooser loaded from the model's state_dict (a resume)."""
     found: dict[int, tuple[int, str]] = {}
     for step in steps:
+        if step == restore_at:
+            restored = ExchangeChooser(explore_every=model.explore_every)
+            restored.load_state_dict(model.state_dict())
+            model = restored
         if step % 10 == 0 and step > steps.start:
             for explored, (bucket, exchange) in found.items():
                 if confirm and explored >= step - 10:
@@ -202,6 +208,18 @@ def test_explorations_back_off_while_they_confirm_the_plan_and_resume_when_it_ch
     model.replan(0.01, 2)  # the agreement point at step 200
     assert model.plan == {0: "dense16", 1: "dense16"}
     assert explorations(model, range(200, 240)) == [200, 220]
+
+
+@pytest.mark.parametrize("restore_at", [35, 45, 85])
+def test_a_resumed_chooser_explores_when_the_uninterrupted_one_does(restore_at: int) -> None:
+    # Resumed mid back-off (interval 20 or 40, an exploration's samples still to come in at 45 and 85):
+    # the explorations fall on the same steps as in the run that was never interrupted.
+    uninterrupted, resumed = chooser_at(1e7, [0, 1]), chooser_at(1e7, [0, 1])
+    for model in (uninterrupted, resumed):
+        model.replan(0.01, 2)
+    expected = explorations(uninterrupted, range(0, 200))
+    assert expected == [0, 20, 40, 80, 120, 160]
+    assert explorations(resumed, range(0, 200), restore_at=restore_at) == expected
 
 
 def test_a_new_density_resets_the_exploration_back_off() -> None:
@@ -276,11 +294,18 @@ def test_a_mixed_dense_plan_gives_way_to_all_dense16_steps_that_measured_faster(
     # let its allreduce hide behind backward) and the steps took 20 ms against 16 ms all-dense16,
     # for 50 steps; the guard's trials ran fp32 on both buckets (27-32 ms) and never tried dense16.
     model = chooser_at(1e9, [0, 1])
-    model.plan = {0: "dense", 1: "dense16"}
+    # Bucket 0 is followed by 50 ms of backward (its 32 ms fp32 allreduce hides) and its casts cost
+    # 5 ms; bucket 1 is the last (exposed) and casts in 0.5 ms.
+    for bucket, cast, gap in ((0, 0.005, 0.05), (1, 0.0005, 0.0)):
+        comm = model.costs(bucket, 1.0, 2).comm
+        model.observe(0, [StepSample(bucket, "dense16", 1.0, cast, comm["dense16"], gap),
+                          StepSample(bucket, "dense", 1.0, 0.0, comm["dense"], gap)], 2)
+    model.replan(1.0, 2)
+    assert model.plan == {0: "dense", 1: "dense16"}  # what the simulation says
     assert [model.choose(b, step, 1.0, 2) for step in (25, 26, 27, 28) for b in (0, 1)] == ["dense16"] * 6 + ["dense", "dense16"]
     model.observe_steps(30, dense=0.016, other=0.020)
     model.replan(1.0, 2)
-    assert model.plan == {0: "dense16", 1: "dense16"}
+    assert model.plan == {0: "dense16", 1: "dense16"}  # what the steps measured
 
 
 def test_guard_forgets_a_dense_period_measured_before_the_link_changed() -> None:

@@ -37,8 +37,9 @@ Keys of the newest step (from its :class:`~flexcomm.BucketRecord` list; present 
 Keys of the decisions (agreed on every rank; present once there is one):
 
 ``flexcomm/flex/dense_step_s``          seconds, ``flex``'s guard: the measured period of whole
-``flexcomm/flex/plan_step_s``           steps exchanged all dense, and of steps that ran the plan.
-                                        The plan is all-dense whenever the first is clearly smaller.
+``flexcomm/flex/plan_step_s``           steps exchanged all dense (dense16 where ``flex`` may send
+                                        it on every bucket, else fp32), and of steps that ran the
+                                        plan.  The plan is all-dense whenever the first is clearly smaller.
 ``flexcomm/auto/decision_step``         ``density="auto"``: the step of the controller's last decision;
 ``flexcomm/auto/gain``                  the chosen density's agreed compression gain
                                         ``||sent part of a|| / ||a||``;

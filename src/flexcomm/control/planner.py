@@ -240,7 +240,8 @@ class StepPlanner:
         # step that probed also ran the probes' collectives, and the first (step 0) its one-time
         # set-up: 70 ms against 16 ms for the next dense16 steps (MLP, 1 Gbit), which made the
         # guard take 28 ms fp32 dense steps for faster and run them for 55 steps.
-        kept = bool(closed) and closed[0].step not in (self._explored_step, self.probed_at)
+        # Warm-up steps run fp32 dense, which is neither the plan nor (dense16 arm) the guard's all-dense.
+        kept = bool(closed) and closed[0].step not in (self._explored_step, self.probed_at) and closed[0].step >= self.warmup_steps
         guard = self.chooser.guard_exchange
         ended = (all(s.exchange == guard for s in closed), closed[0].density, self._simulated) if kept else None
         self._recent.step_began(perf_counter(), ended)

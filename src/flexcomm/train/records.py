@@ -92,21 +92,21 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 FINAL_EVALS = 3
 
 
-def on_grid(record: dict[str, Any], every: int) -> bool:
-    """Whether ``record`` holds an evaluation taken after a multiple of ``every`` steps."""
-    return record.get("accuracy") is not None and (record["step"] + 1) % every == 0
-
-
 def final_accuracy(records: list[dict[str, Any]], every: int = 1) -> float | None:
-    """The mean of the last :data:`FINAL_EVALS` evaluations taken after a multiple of ``every`` steps.
+    """The mean of the last :data:`FINAL_EVALS` evaluations ``every`` steps apart, counted back from the last one.
 
     A run evaluated often (to place its time to target) keeps a final accuracy that spans the end
-    of the run on a coarser grid, not its last few steps: every 5 steps, ``every=25`` averages
-    the evaluations after steps 250, 275 and 300 of a 300-step run.  A run with no evaluation on
-    the grid (shorter than ``every`` steps) takes its last evaluations.
+    of the run, not its last few steps: evaluated every 5 steps, ``every=25`` averages the
+    evaluations after steps 250, 275 and 300 of a 300-step run (260, 285 and 310 of a 310-step
+    one).  Where fewer lie on that grid, the last evaluations whatever their spacing.
     """
-    finals = [r["accuracy"] for r in records if on_grid(r, every)] or [r["accuracy"] for r in records if on_grid(r, 1)]
-    return statistics.fmean(finals[-FINAL_EVALS:]) if finals else None
+    evals = [r for r in records if r.get("accuracy") is not None]
+    if not evals:
+        return None
+    last = evals[-1]["step"]
+    spaced = [r["accuracy"] for r in evals if (last - r["step"]) % every == 0]
+    chosen = spaced if len(spaced) >= FINAL_EVALS else [r["accuracy"] for r in evals]
+    return statistics.fmean(chosen[-FINAL_EVALS:])
 
 
 def summarize(records: list[dict[str, Any]], target_acc: float | None) -> dict[str, Any]:

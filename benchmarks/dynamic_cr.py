@@ -202,7 +202,7 @@ def plot(loaded: dict[str, list[Run]], targets: dict[str, float | None]) -> None
         runs.shade_phases(acc_ax, by.get("dense") or auto, label=False)
         for key, r in by.items():
             ev = r.evals
-            acc_ax.plot([e["wall"] for e in ev], [e["accuracy"] for e in ev], marker="o", ms=2.5, color=colors[key],
+            acc_ax.plot([runs.schedule_time(e) for e in ev], [e["accuracy"] for e in ev], marker="o", ms=2.5, color=colors[key],
                         lw=1.8 if key == "auto" else 1.0, label=key)
         if targets.get(m) is not None:
             acc_ax.axhline(targets[m], color="tab:red", lw=0.8, ls=":", label=f"target {targets[m]:.3f}")

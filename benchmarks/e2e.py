@@ -315,10 +315,10 @@ def plot_accuracy(loaded: dict[str, list[Run]], target_of: Any) -> None:
     axes = fig.subplots((len(names) + 2) // 3, min(len(names), 3), squeeze=False).ravel()
     for ax, name in zip(axes, names):
         rs = loaded[name]
-        runs.shade_phases(ax, max(rs, key=lambda r: r.records[-1]["wall"]))
+        runs.shade_phases(ax, max(rs, key=lambda r: runs.schedule_time(r.records[-1])))
         for r in rs:
             ev = r.evals
-            ax.plot([e["wall"] for e in ev], [e["accuracy"] for e in ev], marker="o", ms=2.5, lw=1.2,
+            ax.plot([runs.schedule_time(e) for e in ev], [e["accuracy"] for e in ev], marker="o", ms=2.5, lw=1.2,
                     label=r.spec.method, **_color(r.spec.method))
         target = target_of(rs[0])
         if target is not None:
@@ -384,10 +384,10 @@ def plot_leaders(rs: list[Run]) -> None:
                                   r.summary.get("leader_counts") or []) for r in rs])
     for r in rs:
         ev = r.evals
-        acc_ax.plot([e["wall"] for e in ev], [e["accuracy"] for e in ev], marker="o", ms=3,
+        acc_ax.plot([runs.schedule_time(e) for e in ev], [e["accuracy"] for e in ev], marker="o", ms=3,
                     label=f"{r.spec.method}: final {r.summary['final_accuracy']:.3f}, {r.summary['train_time']:.0f} s")
     acc_ax.set(xlabel="wall time (s; shading: network phase)", ylabel="test accuracy", title="accuracy (non-IID)")
-    runs.shade_phases(acc_ax, max(rs, key=lambda r: r.records[-1]["wall"]))
+    runs.shade_phases(acc_ax, max(rs, key=lambda r: runs.schedule_time(r.records[-1])))
     runs.fit_x(acc_ax, rs)
     acc_ax.grid(alpha=0.3)
     acc_ax.legend(fontsize="small")

@@ -323,12 +323,21 @@ def phases(run: Run) -> list[tuple[float, float, float]]:
     return out
 
 
+def schedule_time(record: dict[str, Any]) -> float:
+    """When ``record``'s step ended on the clock of the link schedule (see :func:`step_midpoints`)."""
+    return record.get("train_wall", record["wall"])
+
+
 def step_midpoints(run: Run) -> list[float]:
-    """Wall time of the middle of each step's training (evaluation after a step excluded)."""
+    """The middle of each step's training on the clock of the run's link schedule.
+
+    Runs that record ``train_wall`` had a schedule that stood still while they evaluated (the
+    phases of ``network.json`` are on training time); older ones, on wall time, are read on ``wall``.
+    """
     mids, previous = [], 0.0
     for r in run.records:
         mids.append(previous + r["t_step"] / 2)
-        previous = r["wall"]
+        previous = schedule_time(r)
     return mids
 
 
@@ -448,6 +457,6 @@ def shade_phases(ax: Any, run: Run | None, label: bool = True) -> None:
 
 
 def fit_x(ax: Any, rs: Iterable[Run]) -> None:
-    """x limits: 0 to the longest run's wall time."""
-    right = max((r.records[-1]["wall"] for r in rs if r.records), default=1.0)
+    """x limits: 0 to the longest run's time on the link schedule's clock."""
+    right = max((schedule_time(r.records[-1]) for r in rs if r.records), default=1.0)
     ax.set_xlim(0, right * 1.03)

@@ -41,6 +41,7 @@ from flexcomm.netem import (
     tbf_burst_bytes,
 )
 from flexcomm.netem import delay as delay_switch
+from flexcomm.netem.runner import PausableClock
 
 # --------------------------------------------------------------------------
 # Schedule parsing
@@ -267,6 +268,34 @@ def test_runner_walks_phases_in_order() -> None:
     assert times == sorted(times)
     assert times[2] >= 0.1 - 1e-3  # boundaries are absolute: 50 ms + 50 ms
     assert runner.start_wall is not None
+
+
+def test_pausable_clock_stands_still_while_paused() -> None:
+    now, paused = [0.0], [False]
+    clock = PausableClock(lambda: now[0], lambda: paused[0])
+    readings = []
+    for t, pause in ((1.0, False), (1.5, True), (4.0, True), (4.5, False), (6.0, False), (7.0, True), (9.0, False)):
+        now[0], paused[0] = t, pause
+        readings.append(clock())
+    # 1.5 -> 4.5 and 7.0 -> 9.0 paused: 3 s and 2 s do not count.
+    assert readings == [1.0, 1.5, 1.5, 1.5, 3.0, 4.0, 4.0]
+
+
+def test_runner_with_a_pause_applies_phases_on_unpaused_time() -> None:
+    # A 50 ms first phase, paused from the start: nothing changes while paused, however long
+    # (real time is only the thread's polling); unpaused, the change comes 50 ms of clock later.
+    link, now, paused = _FakeLink(), [0.0], [True]
+    runner = ScheduleRunner(link, parse_schedule("1mbit:50ms,2mbit"), clock=lambda: now[0], paused=lambda: paused[0])
+    with runner:
+        now[0] = 10.0
+        time.sleep(0.05)  # ten polls of the paused clock
+        assert link.calls == [(1e6, 0.0)]
+        paused[0] = False
+        time.sleep(0.02)  # the runner sees the pause end at clock 10.0
+        now[0] = 10.06
+        assert runner.wait(5.0)
+    assert link.calls == [(1e6, 0.0), (2e6, 0.0)]
+    assert [c.time_s for c in runner.changes] == [0.0, pytest.approx(0.06)]
 
 
 def test_runner_stops_promptly() -> None:

@@ -21,7 +21,7 @@ TINY = [
     "--width", "0.05", "--steps", "10", "--eval-every", "5", "--net", "none", "--threads", "1",
 ]
 STEP_FIELDS = {
-    "step", "epoch", "wall", "loss", "t_step", "t_compute", "t_wait", "t_compress", "t_sync", "t_optim",
+    "step", "epoch", "wall", "train_wall", "loss", "t_step", "t_compute", "t_wait", "t_compress", "t_sync", "t_optim",
     "bytes", "density", "exchanges", "leaders", "gain", "finite",
 }
 
@@ -40,6 +40,10 @@ def test_tiny_run_and_report(tmp_path: Path, capfd: pytest.CaptureFixture[str]) 
         assert r["exchanges"] == ["artopk"] and r["leaders"] == [r["step"] % 2]
         assert r["bytes"] > 0 and 0 < r["density"] < 0.02 and r["t_step"] >= r["t_compute"] > 0
     assert [r["step"] for r in records if "accuracy" in r] == [4, 9]
+    # Evaluation is wall time, not training time (the clock of an emulated link's schedule).
+    evaluated = [r["wall"] - r["train_wall"] for r in records]
+    assert evaluated[:4] == [pytest.approx(0.0, abs=1e-9)] * 4 and 0.0 < evaluated[4] == pytest.approx(evaluated[8])
+    assert evaluated[9] > evaluated[8] and not (run / ".evaluating").exists()
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["param_count"] == 71_657 and summary["steps"] == 10

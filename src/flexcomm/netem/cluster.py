@@ -321,9 +321,10 @@ class EmulatedCluster:
         if not self._started or self._closed:
             raise RuntimeError(f"{what} needs a started, open EmulatedCluster")
 
-    def start_schedule(self, on_change: Callable[[RateChange], None] | None = None) -> ScheduleRunner:
-        """Start a :class:`ScheduleRunner` over this cluster's phases; stopped on close."""
-        runner = ScheduleRunner(self, self.phases, on_change=on_change)
+    def start_schedule(self, on_change: Callable[[RateChange], None] | None = None,
+                       paused: Callable[[], bool] | None = None) -> ScheduleRunner:
+        """Start a :class:`ScheduleRunner` over this cluster's phases (standing still while ``paused()``); stopped on close."""
+        runner = ScheduleRunner(self, self.phases, on_change=on_change, paused=paused)
         with self._lock:
             self._runners.append(runner)
         return runner.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 from .schedule import Phase
 
-__all__ = ["RateSetter", "RateChange", "ScheduleRunner"]
+__all__ = ["PausableClock", "RateSetter", "RateChange", "ScheduleRunner"]
 
 log = logging.getLogger("flexcomm.netem")
 
@@ -38,8 +39,40 @@ class RateChange(NamedTuple):
     jitter_s: float = 0.0
 
 
+#: How often a runner whose schedule can pause re-reads its clock (the pause's resolution).
+PAUSE_POLL_S = 0.005
+
+
+class PausableClock:
+    """A clock that stands still while ``paused()`` holds: phases last that long in unpaused time.
+
+    The pause is seen when the clock is read, so it is as exact as the readings are frequent
+    (a runner with a pausable clock reads it every :data:`PAUSE_POLL_S`).
+    """
+
+    def __init__(self, clock: Callable[[], float], paused: Callable[[], bool]) -> None:
+        self._clock, self._paused = clock, paused
+        self._stopped_at: float | None = None
+        self._offset = 0.0
+
+    def __call__(self) -> float:
+        now = self._clock()
+        if self._paused():
+            if self._stopped_at is None:
+                self._stopped_at = now
+            return self._stopped_at - self._offset
+        if self._stopped_at is not None:
+            self._offset += now - self._stopped_at
+            self._stopped_at = None
+        return now - self._offset
+
+
 class ScheduleRunner:
     """Apply each phase of a schedule at its boundary, in a daemon thread.
+
+    With ``paused``, the schedule's clock stands still while ``paused()`` holds (a training
+    job's evaluations: the link changes on training time, and evaluating more often does not
+    move training into later phases); :attr:`changes` then carry that clock's times.
 
     The first phase is applied as soon as the runner starts (so the runner is
     the single source of truth for the log of changes); the last phase stays in
@@ -57,13 +90,15 @@ class ScheduleRunner:
         phases: list[Phase],
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[RateChange], None] | None = None,
+        paused: Callable[[], bool] | None = None,
     ) -> None:
         self.target = target
         self.phases = list(phases)
         self.changes: list[RateChange] = []
         self.error: BaseException | None = None
         self.start_wall: float | None = None
-        self._clock = clock
+        self._clock = clock if paused is None else PausableClock(clock, paused)
+        self._poll = math.inf if paused is None else PAUSE_POLL_S
         self._on_change = on_change
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,9 +139,9 @@ class ScheduleRunner:
         try:
             boundary = 0.0
             for phase in self.phases:
-                wait = self._t0 + boundary - self._clock()
-                if wait > 0 and self._stop.wait(wait):
-                    return
+                while (wait := self._t0 + boundary - self._clock()) > 0:
+                    if self._stop.wait(min(wait, self._poll)):
+                        return
                 if self._stop.is_set():
                     return
                 self._apply(phase)

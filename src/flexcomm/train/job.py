@@ -4,8 +4,10 @@ Every rank is ``python -m flexcomm.train.worker RUN_DIR/config.json``, started b
 launcher (:mod:`flexcomm.launch`) with torchrun's environment: on loopback for
 ``--net none``, else one rank per host of a :class:`flexcomm.netem.EmulatedCluster`. The
 bandwidth schedule starts when rank 0 reports that every rank is ready to train (the
-started marker), so start-up does not eat into the first phase; the rate changes really
-applied are written to ``network.json``. With ``max_restarts`` a failed group is started
+started marker), so start-up does not eat into the first phase, and stands still while rank 0
+reports that the ranks evaluate (the evaluating marker): the link changes on training time, so
+evaluating more often does not move training into later phases.  The rate changes really
+applied, on that clock, are written to ``network.json``. With ``max_restarts`` a failed group is started
 again (the workers resume from their last checkpoint); the network keeps its schedule.
 
 A failing rank writes its error to ``error-rank<r>.json``. A rank that dies without writing
@@ -25,7 +27,7 @@ from flexcomm.launch import Explain, RankFailed, describe_exit, run_ranks
 from flexcomm.netem import EmulatedCluster, ScheduleRunner, parse_schedule
 from flexcomm.train.config import CONFIG_FILE, TrainConfig
 from flexcomm.train.records import NETWORK_FILE
-from flexcomm.train.rank_files import STARTED_MARKER, error_file
+from flexcomm.train.rank_files import EVALUATING_MARKER, STARTED_MARKER, error_file
 
 __all__ = ["run_job", "explain_failure"]
 
@@ -48,7 +50,7 @@ def run_job(cfg: TrainConfig, run_dir: Path, max_restarts: int = 0) -> None:
 
             def start_schedule_once_training() -> None:
                 if not runners and (run_dir / STARTED_MARKER).exists():
-                    runners.append(cluster.start_schedule())
+                    runners.append(cluster.start_schedule(paused=(run_dir / EVALUATING_MARKER).exists))
 
             try:
                 run_ranks(cluster, cfg.nproc, argv, on_poll=start_schedule_once_training, **common)
@@ -59,12 +61,13 @@ def run_job(cfg: TrainConfig, run_dir: Path, max_restarts: int = 0) -> None:
             for runner in runners:
                 runner.stop()  # re-raises a failed rate change: the run did not see its schedule
     finally:
-        (run_dir / STARTED_MARKER).unlink(missing_ok=True)
+        for marker in (STARTED_MARKER, EVALUATING_MARKER):
+            (run_dir / marker).unlink(missing_ok=True)
 
 
 def _clear_markers(cfg: TrainConfig, run_dir: Path) -> None:
     """A new attempt must not read the previous one's started marker or errors."""
-    for stale in [run_dir / STARTED_MARKER, *(error_file(run_dir, r) for r in range(cfg.nproc))]:
+    for stale in [run_dir / STARTED_MARKER, run_dir / EVALUATING_MARKER, *(error_file(run_dir, r) for r in range(cfg.nproc))]:
         stale.unlink(missing_ok=True)
 
 
@@ -73,6 +76,8 @@ def _write_network(run_dir: Path, cfg: TrainConfig, runner: ScheduleRunner) -> N
         "schedule": cfg.net,
         "phases": [asdict(p) for p in runner.phases],
         "start_unix_time": runner.start_wall,
+        # The changes' times are training time: the schedule stood still while the ranks evaluated.
+        "clock": "training",
         "changes": [c._asdict() for c in runner.changes],
     }
     (run_dir / NETWORK_FILE).write_text(json.dumps(info, indent=2) + "\n")

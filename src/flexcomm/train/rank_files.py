@@ -13,6 +13,8 @@ from pathlib import Path
 
 #: Rank 0 creates this once every rank is ready to train; the launcher starts the bandwidth schedule then.
 STARTED_MARKER = ".training-started"
+#: Rank 0 holds this while the ranks evaluate; the bandwidth schedule stands still meanwhile.
+EVALUATING_MARKER = ".evaluating"
 
 
 def error_file(run_dir: Path, rank: int) -> Path:

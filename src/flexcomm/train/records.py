@@ -8,7 +8,8 @@ history, and ``flexcomm-report`` can summarise a run that crashed before writing
 Fields of a step record (times in seconds, measured on rank 0):
 
 ``step`` (0-based), ``epoch``, ``wall`` (since training started, evaluation
-included), ``loss`` (rank 0's mini-batch loss), ``t_step`` (the whole step),
+included), ``train_wall`` (the same without evaluation: the clock of an emulated link's
+schedule, which stands still while the ranks evaluate), ``loss`` (rank 0's mini-batch loss), ``t_step`` (the whole step),
 ``t_compute`` (forward + backward, which includes the hook, since DDP overlaps them),
 ``t_wait`` (the part of backward held up by communication), ``t_compress``,
 ``t_sync`` (summed exchange times; they overlap backward), ``t_optim``,

@@ -2,7 +2,7 @@
 
 Written into the first directory (or ``--out``):
 
-``accuracy.png``   test accuracy against wall time and against step, every run on one plot;
+``accuracy.png``   test accuracy against time (evaluation excluded) and against step, every run on one plot;
 ``step_time.png``  where a step's time goes (compute, compression, waiting for
                    communication, optimizer; the paper's Fig. 1a) and step time over
                    the run, with the emulated network's rate changes;
@@ -79,6 +79,14 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> list[
 
 
 # -- figures ------------------------------------------------------------------------------
+CLOCK_LABEL = "time (s, evaluation excluded)"
+
+
+def _clock(record: dict[str, Any]) -> float:
+    """When ``record``'s step ended on the clock of the link's schedule (``wall`` in runs older than ``train_wall``)."""
+    return record.get("train_wall", record["wall"])
+
+
 def plot_accuracy(runs: list[Run], path: Path) -> Path | None:
     evaluated = [(run, [r for r in run.records if r.get("accuracy") is not None]) for run in runs]
     evaluated = [(run, evals) for run, evals in evaluated if evals]
@@ -88,9 +96,9 @@ def plot_accuracy(runs: list[Run], path: Path) -> Path | None:
     by_time, by_step = fig.subplots(1, 2, sharey=True)
     for run, evals in evaluated:
         acc = [r["accuracy"] for r in evals]
-        by_time.plot([r["wall"] for r in evals], acc, marker="o", markersize=3, label=run.name)
+        by_time.plot([_clock(r) for r in evals], acc, marker="o", markersize=3, label=run.name)
         by_step.plot([r["step"] + 1 for r in evals], acc, marker="o", markersize=3, label=run.name)
-    by_time.set(xlabel="wall time (s)", ylabel="test accuracy", title="accuracy vs wall time")
+    by_time.set(xlabel=CLOCK_LABEL, ylabel="test accuracy", title="accuracy vs time")
     by_step.set(xlabel="step", title="accuracy vs step")
     for ax in (by_time, by_step):
         ax.grid(alpha=0.3)
@@ -128,10 +136,10 @@ def plot_step_time(runs: list[Run], path: Path) -> Path:
     bars.tick_params(axis="x", labelrotation=20, labelsize="small")
     bars.legend(fontsize="small")
     for run in runs:
-        walls, step_ms = [r["wall"] for r in run.records], [r["t_step"] * 1e3 for r in run.records]
+        walls, step_ms = [_clock(r) for r in run.records], [r["t_step"] * 1e3 for r in run.records]
         over_time.plot(walls, step_ms, lw=0.8, label=run.name)
     _mark_rate_changes(over_time, runs)
-    over_time.set(xlabel="wall time (s)", ylabel="step time (ms)", title="step time over the run", yscale="log")
+    over_time.set(xlabel=CLOCK_LABEL, ylabel="step time (ms)", title="step time over the run", yscale="log")
     over_time.grid(alpha=0.3)
     over_time.legend(fontsize="small")
     fig.savefig(path, dpi=110)

@@ -22,6 +22,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +54,7 @@ from flexcomm.train.rank_data import (
     steps_per_epoch,
 )
 from flexcomm.train.models import build_model, count_parameters
-from flexcomm.train.rank_files import STARTED_MARKER, error_file, write_error
+from flexcomm.train.rank_files import EVALUATING_MARKER, STARTED_MARKER, error_file, write_error
 from flexcomm.train.records import RecordWriter, read_records, summarize, write_summary
 
 DATA_FILE = "data.json"
@@ -162,6 +164,8 @@ class Trainer:
         self.hook.prime(self.ddp, self.data.train_x[: cfg.batch_size], self.data.train_y[: cfg.batch_size])
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         torch.manual_seed(_rank_seed(cfg.seed, me.rank))
+        #: Seconds spent evaluating (in ``wall``, not in ``train_wall`` nor on the link's schedule).
+        self.evaluated = 0.0
         self.start_step, self.elapsed_before = self._restore() if _should_resume(cfg, run_dir) else (0, 0.0)
 
     # -- checkpoints ---------------------------------------------------------------
@@ -179,6 +183,7 @@ class Trainer:
             torch.set_rng_state(saved.own["rng"]["torch"].cpu())
             if saved.own["rng"]["cuda"] is not None:
                 torch.cuda.set_rng_state(saved.own["rng"]["cuda"].cpu(), me.device)
+        self.evaluated = float(saved.own.get("evaluated", 0.0))  # absent from checkpoints written before it
         return saved.step, float(saved.own["elapsed"])
 
     def _save(self, steps_done: int, elapsed: float) -> None:
@@ -194,6 +199,7 @@ class Trainer:
             "data_order": {"steps_per_epoch": self.per_epoch, "epoch": epoch, "batch": batch,
                            "origin": [self.clock.origin_step, self.clock.origin_epoch]},
             "elapsed": elapsed,
+            "evaluated": self.evaluated,
         }
         checkpoint.save_rank(self.run_dir, self.cfg, self.me.rank, steps_done, state)
         self._barrier()
@@ -221,10 +227,12 @@ class Trainer:
                 record = self._train_step(step)
                 done = step + 1 == cfg.steps
                 if (step + 1) % cfg.eval_every == 0 or done:
-                    accuracy, record["test_loss"] = self.evaluate()
+                    with self._evaluating():
+                        accuracy, record["test_loss"] = self.evaluate()
                     record["accuracy"] = accuracy
                     done = done or (cfg.target_acc is not None and accuracy >= cfg.target_acc)
                 record["wall"] = perf_counter() - t0
+                record["train_wall"] = record["wall"] - self.evaluated
                 if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or done):
                     self._save(step + 1, perf_counter() - t0)
                 if writer is not None:
@@ -265,6 +273,20 @@ class Trainer:
             "t_optim": finished - backward_end,
             **_comm_fields(comm),
         }
+
+    @contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """Time an evaluation; rank 0 holds the evaluating marker meanwhile (the link's schedule stands still)."""
+        marker = self.run_dir / EVALUATING_MARKER
+        if self.me.rank == 0:
+            marker.touch()
+        began = perf_counter()
+        try:
+            yield
+        finally:
+            self.evaluated += perf_counter() - began
+            if self.me.rank == 0:
+                marker.unlink(missing_ok=True)
 
     def evaluate(self) -> tuple[float, float]:
         """Accuracy and mean loss of rank 0's model on the (sharded) test set.

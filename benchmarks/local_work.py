@@ -1,4 +1,4 @@
-"""Local work of one AR-Topk / AG-Topk bucket, in copies of the bucket, before and after the fused path.
+"""Local work of one AR-Topk / AG-Topk bucket, in copies of the bucket, and its peak extra memory.
 
     python benchmarks/local_work.py [--sizes 6.25e6,2.5e7] [--densities 0.01] [--repeats 9] [--quick]
 
@@ -11,13 +11,12 @@ into a preallocated buffer).  A steady-state step: the bucket carries a residual
               the selection (leader only), the values and their gain read to the host,
               the residual copied from ``a`` and its sent indices zeroed, the bucket zeroed
               and the update scattered.
-``after_*``   today's exchange code itself (:mod:`flexcomm.exchange.artopk` and
-              :mod:`~flexcomm.exchange.allgather`): ``a = g + e`` into the residual memory's
-              spare buffer, the norm kept on the device, the selection (leader only), the
-              values, the residual committed by zeroing k entries of the spare, the bucket
-              zeroed and the update scattered; plus the step's settle (one host read).
-``dense_*``   a dense bucket without residual: DDP's own allreduce hook divides the bucket
-              once; flexcomm's dense exchange does the same division and nothing else.
+``after_*``   today's code itself (:meth:`flexcomm.compress.ResidualMemory.accumulate`, then
+              :mod:`flexcomm.exchange.artopk` and :mod:`~flexcomm.exchange.allgather`): one
+              pass for ``a = g + e`` over the residual, the bucket zeroed, the norm and, on a
+              selecting rank, the top-k (:mod:`flexcomm.compress.fused`); the values; the
+              residual committed by zeroing k entries; the update scattered; plus the step's
+              settle (one host read).
 
 The collective's result is stood in for by the values themselves (k elements: it does
 not change the local work).  Times are the calling thread's CPU time
@@ -27,12 +26,25 @@ order rotated per round; reported are the median time and median / median floor
 ("copies").  Before the timed rounds, before and after are checked to produce the same
 update bit for bit.
 
+Peak extra memory: each method once more in a child process of its own, with glibc's
+mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``: every large buffer is mapped
+when allocated and unmapped when freed, so resident memory follows live buffers), the
+kernel's peak-RSS mark reset (``/proc/self/clear_refs``) once the bucket's gradient and
+the residual's source exist and the method ran once on a small bucket (the libraries'
+code pages); then two steps (the first allocates the residual, workspaces
+and buffers).  Reported: the peak resident growth in copies of the bucket (what the
+method holds beyond DDP's own bucket: the residual counts).
+
 Writes ``local_work.csv``, ``local_work.png`` and ``local_work.txt`` under ``--out-dir``.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,7 +120,14 @@ def after_job(bucket: Bucket, policy: RoundRobin | None, rank: int) -> BucketJob
                                    t_compress=0.0, t_exchange=0.0, bytes_sent=0, gain=0.0)
     return BucketJob(grad=bucket.grad, accumulated=bucket.grad, index=0, layout=bucket.layout, k=bucket.k, step=0,
                      group=None, world_size=WORLD, rank=rank, memory=ResidualMemory(), workspace=TopkWorkspace(),
-                     record=record, outcome=DeviceOutcome(), measured=lambda *_: None, selector=topk_indices, leaders=policy)
+                     record=record, outcome=DeviceOutcome(), measured=lambda *_: None, selector=topk_indices, leaders=policy,
+                     leader=0)
+
+
+def accumulate(job: BucketJob, selects: bool) -> None:
+    """The state's accumulation pass for the job (:meth:`flexcomm.FlexState.prepare`)."""
+    job.accumulation = job.memory.accumulate(job.index, job.layout, job.grad, job.k if selects else None, job.workspace)
+    job.accumulated = job.accumulation.a
 
 
 def settle(job: BucketJob) -> None:
@@ -122,11 +141,10 @@ def after_artopk(bucket: Bucket, leader: bool) -> Timed:
     job = after_job(bucket, RoundRobin(), rank=0 if leader else 1)
 
     def run() -> torch.Tensor:
-        job.accumulated = job.memory.accumulate(0, bucket.layout, bucket.grad)
-        indices, norm, finite = artopk.select_if_leader(job, leader=0)
-        if not leader:
-            indices = bucket.given  # what the broadcast would have delivered
-        values = artopk.contribution(job, indices, norm, finite)
+        accumulate(job, selects=leader)
+        # A follower's indices are what the broadcast would have delivered.
+        indices = artopk.indices_to_broadcast(job) if leader else bucket.given
+        values = artopk.contribution(job, indices)
         update = artopk.apply_update(job, indices, values)
         settle(job)
         return update
@@ -139,7 +157,7 @@ def after_agtopk(bucket: Bucket) -> Timed:
     job = after_job(bucket, None, rank=0)
 
     def run() -> torch.Tensor:
-        job.accumulated = job.memory.accumulate(0, bucket.layout, bucket.grad)
+        accumulate(job, selects=True)
         message, indices = allgather.contribution(job)
         update = allgather.apply_update(job, indices, torch.cat([message] * WORLD))
         settle(job)
@@ -173,7 +191,7 @@ def check_same_result(timed: dict[str, Timed]) -> None:
 
 def run_case(bucket: Bucket, repeats: int, progress: tqdm) -> dict[str, list[float]]:
     timed = case_methods(bucket)
-    check_same_result(timed)  # also the warm-up (workspaces, spare buffers)
+    check_same_result(timed)  # also the warm-up (workspaces, residual buffers)
     times: dict[str, list[float]] = {name: [] for name in METHODS}
     for r in range(repeats):
         for name in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
@@ -186,41 +204,81 @@ def run_case(bucket: Bucket, repeats: int, progress: tqdm) -> dict[str, list[flo
     return times
 
 
-def table(rows: list[dict]) -> str:
+def resident_kib(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (the peak since the last reset) of this process, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_extra_copies(method: str, numel: int, density: float) -> float:
+    """In a child process (see the module docstring): two steps of ``method``'s peak resident growth, in bucket copies."""
+    warm_setup, warm_run = case_methods(Bucket(1 << 18, density))[method]
+    warm_setup()
+    warm_run()  # code pages and one-time buffers of the libraries are not the method's memory
+    bucket = Bucket(numel, density)
+    setup, run = case_methods(bucket)[method]
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak-RSS mark
+    before = resident_kib("VmRSS")
+    for _ in range(2):
+        setup()
+        run()
+    return (resident_kib("VmHWM") - before) * 1024 / (numel * bucket.g.element_size())
+
+
+def measure_memory(numel: int, density: float) -> dict[str, float]:
+    """Each method's :func:`peak_extra_copies`, each in a fresh child process."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    out = {}
+    for name in METHODS:
+        child = subprocess.run([sys.executable, __file__, "--peak-memory", name, "--sizes", str(numel), "--densities", str(density)],
+                               env=env, capture_output=True, text=True, check=True)
+        out[name] = float(child.stdout.strip().splitlines()[-1])
+    return out
+
+
+def table(rows: list[dict], column: str, unit: str) -> str:
     shown = METHODS[1:]
     header = f"{'numel':>10} {'density':>7} {'floor ms':>9} " + " ".join(f"{m:>16}" for m in shown)
     lines = [header, "-" * len(header)]
     for numel, density in sorted({(r["numel"], r["density"]) for r in rows}):
         by = {r["method"]: r for r in rows if (r["numel"], r["density"]) == (numel, density)}
         lines.append(f"{numel:>10} {density:>7g} {by['floor']['median_ms']:>9.2f} "
-                     + " ".join(f"{by[m]['copies']:>15.2f}x" for m in shown))
+                     + " ".join(f"{by[m][column]:>15.2f}{unit}" for m in shown))
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
     cases = sorted({(r["numel"], r["density"]) for r in rows})
-    fig, axes = figure(1, len(cases), figsize=(5.5 * len(cases), 4.2))
-    for ax, (numel, density) in zip(axes[0], cases):
-        by = {r["method"]: r["copies"] for r in rows if (r["numel"], r["density"]) == (numel, density)}
-        shown = METHODS[1:]
-        colors = ["tab:gray" if m.startswith("before") else "tab:blue" for m in shown]
-        ax.bar(range(len(shown)), [by[m] for m in shown], color=colors)
-        ax.axhline(1.0, color="black", ls="--", lw=1, label="one copy of the bucket")
-        ax.axhline(3.0, color="tab:green", ls=":", lw=1.2, label="goal: 3 copies")
-        ax.set_xticks(range(len(shown)), [m.replace("_", "\n") for m in shown], fontsize=8)
-        ax.set_ylabel("median time / median copy")
-        ax.set_title(f"{numel / 1e6:g}M float32, density {density:g}")
-        ax.legend(fontsize=7)
+    fig, axes = figure(2, len(cases), figsize=(5.5 * len(cases), 7.6))
+    shown = METHODS[1:]
+    colors = ["tab:gray" if m.startswith("before") else "tab:blue" for m in shown]
+    panels = (("copies", "median time / median copy", 3.0, "goal: 3 copies"),
+              ("peak_extra_copies", "peak extra memory / bucket", 1.0, "goal: one copy"))
+    for row, (column, label, goal, goal_label) in enumerate(panels):
+        for ax, (numel, density) in zip(axes[row], cases):
+            by = {r["method"]: r[column] for r in rows if (r["numel"], r["density"]) == (numel, density)}
+            ax.bar(range(len(shown)), [by[m] for m in shown], color=colors)
+            ax.axhline(goal, color="tab:green", ls=":", lw=1.2, label=goal_label)
+            ax.set_xticks(range(len(shown)), [m.replace("_", "\n") for m in shown], fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title(f"{numel / 1e6:g}M float32, density {density:g}")
+            ax.legend(fontsize=7)
     save(fig, path)
 
 
 def main() -> None:
     parser = argument_parser(__doc__, quick="one size, 3 repeats", sizes="6.25e6,2.5e7", densities="0.01")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--peak-memory", metavar="METHOD", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = numbers(args.sizes, int)[:1] if args.quick else numbers(args.sizes, int)
     repeats = 3 if args.quick else args.repeats
     torch.set_num_threads(1)
+    if args.peak_memory:
+        print(peak_extra_copies(args.peak_memory, sizes[0], numbers(args.densities)[0]))
+        return
     rows = []
     suffix = "_quick" if args.quick else ""
     cases = [(n, d) for n in sizes for d in numbers(args.densities)]
@@ -228,13 +286,17 @@ def main() -> None:
         for numel, density in cases:
             times = run_case(Bucket(numel, density), repeats, progress)
             floor = median(times["floor"])
+            memory = measure_memory(numel, density)
             rows += [{"numel": numel, "density": density, "method": name, "median_ms": round(median(times[name]), 4),
-                      "min_ms": round(min(times[name]), 4), "copies": round(median(times[name]) / floor, 3), "repeats": repeats}
+                      "min_ms": round(min(times[name]), 4), "copies": round(median(times[name]) / floor, 3),
+                      "peak_extra_copies": round(memory[name], 3), "repeats": repeats}
                      for name in METHODS]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(args.out_dir / f"local_work{suffix}.csv", rows)
     plot(rows, args.out_dir / f"local_work{suffix}.png")
-    text = f"command: {command_line()}\ntorch {torch.__version__}, 1 thread\n\n{table(rows)}\n"
+    text = (f"command: {command_line()}\ntorch {torch.__version__}, 1 thread\n\n"
+            f"time, in copies of the bucket (median / median floor):\n{table(rows, 'copies', 'x')}\n\n"
+            f"peak extra memory, in copies of the bucket:\n{table(rows, 'peak_extra_copies', ' ')}\n")
     (args.out_dir / f"local_work{suffix}.txt").write_text(text)
     print(text)
 

@@ -161,19 +161,33 @@ def test_var_follows_the_largest_smoothed_norm_on_every_rank() -> None:
 def _nonfinite_step(rank: int, world: int, compressor: str) -> dict:
     model, state = hooked_model(compressor=compressor, density=DENSITY)
     exchange(model, gradient(rank, 0))
-    before = state.memory.residual(0).clone()
+    held_before = state.memory.residual(0) is not None
     g = gradient(rank, 1)
     if rank == 1:
         g[17] = float("nan")
     update = exchange(model, g)
-    return {"update_finite": bool(torch.isfinite(update).all()), "residual_kept": torch.equal(before, state.memory.residual(0)),
-            "recorded_finite": state.drain_records()[-1].finite}
+    dropped = state.memory.residual(0) is None
+    recorded_finite = state.drain_records()[-1].finite
+    after = exchange(model, gradient(rank, 2))  # starts from no residual: as the first step did
+    return {"held_before": held_before, "update_finite": bool(torch.isfinite(update).all()), "residual_dropped": dropped,
+            "recorded_finite": recorded_finite, "next_step": after}
 
 
 @pytest.mark.parametrize("compressor", ["agtopk", "artopk-star"])
 def test_nan_reaches_every_rank_and_residuals_stay_clean(compressor: str) -> None:
-    for result in run_world(_nonfinite_step, 2, compressor):
-        assert result == {"update_finite": False, "residual_kept": True, "recorded_finite": False}
+    """A NaN on one rank: NaN update on every rank, every residual dropped, the next step as clean as a first step."""
+    results = run_world(_nonfinite_step, 2, compressor)
+    for result in results:
+        assert {key: value for key, value in result.items() if key != "next_step"} == {
+            "held_before": True, "update_finite": False, "residual_dropped": True, "recorded_finite": False}
+    fresh = run_world(_first_step, 2, compressor, 2)
+    for result, expected in zip(results, fresh):
+        assert torch.equal(result["next_step"], expected)
+
+
+def _first_step(rank: int, world: int, compressor: str, step: int) -> torch.Tensor:
+    model, _ = hooked_model(compressor=compressor, density=DENSITY)
+    return exchange(model, gradient(rank, step))
 
 
 # ---------------------------------------------------------------- dtypes and world size 1

@@ -33,7 +33,7 @@ along the Pareto front of compression gain and step time (see :mod:`flexcomm.con
 Error feedback: the new residual is ``e_i = a_i`` with the sent indices zeroed, so what
 rank i contributed plus its residual equals ``a_i``.  A non-finite ``a_i`` on any rank
 turns the exchanged values into NaN on every rank (so ``torch.amp.GradScaler`` sees it and
-skips the step) and every rank keeps its previous residual.
+skips the step) and every rank drops its residual (it holds the skipped step's gradient).
 
 The roles: :mod:`flexcomm.state` (options, step protocol, the compressor table),
 :mod:`flexcomm.control` (decisions), :mod:`flexcomm.compress` (selection, residuals),

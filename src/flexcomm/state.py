@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 
 from flexcomm import elastic, telemetry
-from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, exchange_context, mark_ready
+from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, clock, exchange_context, mark_ready
+from flexcomm.comm.clock import Mark
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
+from flexcomm.compress.fused import Accumulation
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.stats import to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
@@ -117,6 +119,7 @@ class FlexState:
             probe_sizes=options.probe_sizes, forgetting=forgetting, group=process_group, dense16=dense16,
         )
         self.selector = make_selector(roles.selector, mstopk_rounds) if roles.selector else None
+        self._exact_top_k = roles.selector == "topk"
         self.leaders: LeaderPolicy | None = make_leader_policy(roles.leader, var_statistic, var_smoothing) if roles.leader else None
         self.step = 0
         self.memory = ResidualMemory()
@@ -284,14 +287,21 @@ class FlexState:
         dense = plan.exchange in DENSE_EXCHANGES
         if not dense:
             check_index_range(numel)
-        memory = self.memory
-        accumulated = memory.compensate(index, handed.layout, grad) if dense else memory.accumulate(index, handed.layout, grad)
+        k = numel if dense else k_for(numel, plan.density)
+        leader = self.leaders.take(index, step, self.world_size) if plan.exchange == "artopk" else -1
         workspace = self._workspaces.setdefault(index, TopkWorkspace())
+        accumulation, span = None, None
+        if dense:
+            accumulated = self.memory.compensate(index, handed.layout, grad)
+        else:
+            # A rank that selects with the exact top-k selects during the accumulation pass.
+            selects = self._exact_top_k and (plan.exchange != "artopk" or leader == self.rank)
+            accumulation, span = self._accumulate(handed, k if selects else None, workspace)
+            accumulated = accumulation.a
         if self.planner.measuring_gain:
             self.planner.observe_gain(index, accumulated, workspace)
-        k = numel if dense else k_for(numel, plan.density)
         record = BucketRecord(
-            step=step, bucket=index, numel=numel, exchange=plan.exchange, k=k, leader=-1, t_compress=0.0,
+            step=step, bucket=index, numel=numel, exchange=plan.exchange, k=k, leader=leader, t_compress=0.0,
             t_exchange=0.0, bytes_sent=0, gain=math.nan, predicted=plan.predicted, density=plan.density,
             explored=plan.explored,
         )
@@ -304,9 +314,16 @@ class FlexState:
             self._step_end = self.dispatcher.submit(partial(self._end_step, handed))
         return BucketJob(
             grad=grad, accumulated=accumulated, index=index, layout=handed.layout, k=k, step=step,
-            group=self.process_group, world_size=self.world_size, rank=self.rank, memory=memory, workspace=workspace,
+            group=self.process_group, world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace,
             record=record, outcome=outcome, measured=self._measured, selector=self.selector, leaders=self.leaders,
+            accumulation=accumulation, accumulation_span=span, leader=leader,
         )
+
+    def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:
+        """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work)."""
+        started = clock.now(handed.grad.device)
+        accumulation = self.memory.accumulate(handed.index, handed.layout, handed.grad, k, workspace)
+        return accumulation, (started, clock.now(handed.grad.device))
 
     def _end_step(self, handed: HandedBucket) -> torch.futures.Future[None]:
         """The dispatcher task after a step's last exchange: the planner issues the next agreement."""

@@ -18,12 +18,15 @@ the initial layout, so a residual can outlive its bucket:
   residual whose layout no longer matches is dropped, as PyTorch's PowerSGD hook does,
   rather than added to the wrong parameters.
 
-The fused path (:meth:`ResidualMemory.accumulate`, :meth:`ResidualMemory.commit`) costs
-one pass for ``a = g + e`` and none for the new residual: each bucket has two buffers,
-the residual ``e`` and a spare.  ``a`` is written into the spare (``g``'s buffer stays
-free for the exchanged update), the sent positions of the spare are zeroed (k writes),
-and the spare becomes the residual -- unless the exchange turned out non-finite, in which
-case the old residual stays.  That condition is a device tensor: the swap waits until
+The in-place path (:meth:`ResidualMemory.accumulate`, :meth:`~ResidualMemory.take`,
+:meth:`~ResidualMemory.commit`) keeps one buffer per bucket, the residual, and costs one
+pass for ``a = g + e`` and none for the new residual: ``a`` is written over ``e`` (by
+:mod:`flexcomm.compress.fused`, which also zeroes the bucket, takes ``||a||`` and, on a
+selecting rank, the top-k in that same pass), and the sent values are gathered and zeroed
+in place (k reads and writes).  If the exchanged update turns out
+non-finite (``torch.amp.GradScaler`` then skips the step) the residual is dropped: it
+already holds this step's gradient, which the skipped step must not apply later, and
+maybe the NaN itself.  That condition is a device tensor: the drop waits until
 :meth:`ResidualMemory.settle` reads every pending condition in one transfer, once per
 step, so no exchange stalls on a host read.
 
@@ -40,6 +43,9 @@ import threading
 from typing import Any
 
 import torch
+
+from flexcomm.compress.fused import Accumulation, accumulate_in_place
+from flexcomm.compress.topk import TopkWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +70,8 @@ class ResidualMemory:
         self.named = named
         self._residuals: dict[int, torch.Tensor] = {}
         self._layouts: dict[int, Layout] = {}
-        # The second buffer of each bucket (the fused path writes a = g + e into it).
-        self._spares: dict[int, torch.Tensor] = {}
-        # Buckets whose spare holds a new residual, with the device condition to adopt it.
-        self._pending: dict[int, tuple[Layout, torch.Tensor]] = {}
+        # Buckets whose residual is dropped at settle if the device condition holds.
+        self._pending: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # commits arrive on the backend's threads
         # Residual pieces of parameters whose new bucket has not come by yet (named only).
         self._pieces: dict[str, torch.Tensor] = {}
@@ -77,39 +81,48 @@ class ResidualMemory:
         residual = self._current(bucket_index, layout, grad)
         return grad if residual is None else grad.add_(residual)
 
-    def accumulate(self, bucket_index: int, layout: Layout, grad: torch.Tensor) -> torch.Tensor:
-        """``a = g + e`` written into the bucket's spare buffer (one pass); ``grad`` is left as it was.
+    def accumulate(self, bucket_index: int, layout: Layout, grad: torch.Tensor, k: int | None = None,
+                   workspace: TopkWorkspace | None = None) -> Accumulation:
+        """``a = g + e`` over the residual's buffer, ``grad`` zeroed, ``||a||`` and, given ``k``, the top-k, in one pass.
 
-        Follow with :meth:`commit` once the sent indices are known.
+        Follow with :meth:`take` once the sent indices are known, then :meth:`commit`.
         """
         residual = self._current(bucket_index, layout, grad)
-        dtype = residual_dtype(grad.dtype)
-        spare = self._spares.get(bucket_index)
-        if spare is None or spare.shape != grad.shape or spare.dtype != dtype or spare.device != grad.device:
-            spare = self._spares[bucket_index] = torch.empty_like(grad, dtype=dtype)
-        return spare.copy_(grad) if residual is None else torch.add(grad, residual, out=spare)
+        if residual is None:
+            residual = torch.zeros_like(grad, dtype=residual_dtype(grad.dtype))
+            self._residuals[bucket_index], self._layouts[bucket_index] = residual, layout
+        return accumulate_in_place(residual, grad, k, workspace)
 
-    def commit(self, bucket_index: int, layout: Layout, sent: torch.Tensor, adopt_if: torch.Tensor) -> None:
-        """Zero the ``sent`` indices of :meth:`accumulate`'s ``a``: it becomes the residual if ``adopt_if`` holds.
+    def take(self, bucket_index: int, indices: torch.Tensor) -> torch.Tensor:
+        """The values of :meth:`accumulate`'s ``a`` at ``indices``, zeroed there: what is sent leaves the residual.
 
-        ``adopt_if`` is a 0-d bool tensor (the exchange was finite); it is read by :meth:`settle`.
+        Gathering and zeroing the same positions back to back touches each of their cache
+        lines once.  Follow with :meth:`commit` once the exchange's finiteness is known.
         """
-        self._spares[bucket_index].index_fill_(0, sent.long(), 0)
-        with self._lock:
-            self._pending[bucket_index] = (layout, adopt_if)
+        residual, positions = self._residuals[bucket_index], indices.long()
+        values = residual.index_select(0, positions)
+        residual.index_fill_(0, positions, 0)
+        return values
+
+    def commit(self, bucket_index: int, finite: torch.Tensor) -> None:
+        """Keep :meth:`take`'s residual if ``finite`` (0-d bool: the exchanged update was finite) holds.
+
+        :meth:`settle` reads ``finite`` and drops the residual if it does not hold.
+        """
+        self.forget_if(bucket_index, finite.logical_not())
 
     def forget_if(self, bucket_index: int, condition: torch.Tensor) -> None:
-        """Drop the residual at :meth:`settle` if ``condition`` (0-d bool) holds: a dense exchange sent it."""
+        """Drop the residual at :meth:`settle` if ``condition`` (0-d bool) holds."""
         with self._lock:
-            self._pending[bucket_index] = ((), condition)
+            self._pending[bucket_index] = condition
 
     def pending(self) -> dict[int, torch.Tensor]:
         """The device conditions :meth:`settle` needs, per bucket."""
         with self._lock:
-            return {index: condition for index, (_, condition) in self._pending.items()}
+            return dict(self._pending)
 
     def settle(self, conditions: dict[int, bool] | None = None) -> None:
-        """Apply pending commits: ``conditions`` are :meth:`pending`'s values read on the host (read here if None)."""
+        """Apply pending drops: ``conditions`` are :meth:`pending`'s values read on the host (read here if None)."""
         with self._lock:
             pending, self._pending = self._pending, {}
         if not pending:
@@ -117,18 +130,11 @@ class ResidualMemory:
         conditions = dict(conditions or {})
         unread = [i for i in pending if i not in conditions]
         if unread:
-            values = torch.stack([pending[i][1].to(torch.bool).cpu() for i in unread]).tolist()
+            values = torch.stack([pending[i].to(torch.bool).cpu() for i in unread]).tolist()
             conditions.update(zip(unread, values))
-        for index, (layout, _) in pending.items():
-            if not conditions[index]:
-                continue
-            if not layout:  # forget_if
+        for index in pending:
+            if conditions[index]:
                 self.forget(index)
-                continue
-            old = self._residuals.get(index)
-            self._residuals[index], self._layouts[index] = self._spares.pop(index), layout
-            if old is not None:
-                self._spares[index] = old
 
     def _current(self, bucket_index: int, layout: Layout, grad: torch.Tensor) -> torch.Tensor | None:
         """The residual to add to ``grad``, after a layout change (cut or dropped) and a restore (moved)."""
@@ -165,7 +171,6 @@ class ResidualMemory:
         """Drop a bucket's residual (after a dense exchange sent everything)."""
         self._residuals.pop(bucket_index, None)
         self._layouts.pop(bucket_index, None)
-        self._spares.pop(bucket_index, None)
 
     def layout(self, bucket_index: int) -> Layout | None:
         """The parameters (key, numel) of the bucket's residual, in buffer order."""
@@ -224,7 +229,7 @@ class ResidualMemory:
                 + ("with" if self.named else "without")
                 + " parameter names (flexcomm.register)"
             )
-        self._residuals, self._layouts, self._spares, self._pending = {}, {}, {}, {}
+        self._residuals, self._layouts, self._pending = {}, {}, {}
         if self.named:
             self._pieces = {key: piece.clone() for key, piece in state["pieces"].items()}
         else:

@@ -6,19 +6,17 @@ are settled, and :func:`to_host` then reads all of them in one transfer.
 
 ``||a||_2`` serves three purposes: the compression gain ``||sent|| / ||a||`` a record
 reports, VAR-Topk's leader statistic, and the finiteness check.  It is accumulated in
-fp32 (one read pass); a NaN or Inf anywhere in ``a`` makes it non-finite.  So does a norm
+fp32 (one read pass, or a by-product of the accumulation pass,
+:mod:`flexcomm.compress.fused`); a NaN or Inf anywhere in ``a`` makes it non-finite.  So does a norm
 beyond fp32's range (elements above ~1e19): such an ``a`` is treated as an overflow,
 the way ``torch.amp.GradScaler`` treats one.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
-
-from flexcomm.compress.topk import TopkWorkspace
 
 
 def norm_and_finiteness(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,23 +26,17 @@ def norm_and_finiteness(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return norm, torch.isfinite(norm)
 
 
-def norm_after_selection(a: torch.Tensor, workspace: TopkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`norm_and_finiteness` of ``a``, from the selection's own pass when it computed one (no second read)."""
-    sum_of_squares = workspace.sum_of_squares
-    if sum_of_squares is None:
-        return norm_and_finiteness(a)
-    dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-    norm = torch.tensor(math.sqrt(sum_of_squares), dtype=dtype, device=a.device)
-    return norm, torch.isfinite(norm)
-
-
 def contributed_values(a: torch.Tensor, indices: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """``a[indices]``, all NaN unless ``finite`` (a 0-d bool tensor).
+    """``a[indices]``, all NaN unless ``finite`` (a 0-d bool tensor): see :func:`nan_unless`."""
+    return nan_unless(a.index_select(0, indices), finite)
+
+
+def nan_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``values`` in place, all NaN unless ``finite`` (a 0-d bool tensor), without a host read.
 
     A non-finite ``a_i`` on one rank makes the whole exchanged update non-finite on every
-    rank, so that every rank sees it (GradScaler skips the step) and keeps its old residual.
+    rank, so that every rank sees it (GradScaler skips the step) and drops its residual.
     """
-    values = a.index_select(0, indices)
     nan = torch.full((), float("nan"), dtype=values.dtype, device=values.device)
     return values.add_(torch.where(finite, torch.zeros_like(nan), nan))
 

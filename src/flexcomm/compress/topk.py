@@ -6,7 +6,7 @@ aside) but reads the gradient once, in cache-sized blocks:
 
 1. read a strided sample of ``|x|`` and pick a threshold ``t`` that slightly more than
    ``k`` elements should pass (3 sigma of the sample's binomial noise on top of k);
-2. walk ``x`` in blocks of ``_BLOCK`` elements; per block, ``|x|`` goes into a small
+2. walk ``x`` in blocks of ``BLOCK`` elements; per block, ``|x|`` goes into a small
    preallocated buffer, is compared to ``t`` into a small bool mask, and the survivors'
    positions and magnitudes are compacted.  The block stays in L2 between these steps,
    so main memory sees one read of ``x`` instead of the four passes (abs write, abs
@@ -32,18 +32,17 @@ import torch
 
 # Below this size the full selection is already cheap and the sampled pass doesn't pay off.
 _FAST_PATH_MIN_NUMEL = 1 << 16
-# The threshold sample: _SAMPLE_SIZE positions at a constant stride, but on smaller
-# tensors no stride under _SAMPLE_MIN_STRIDE elements (256 bytes in float32) while the
-# sample still has _SAMPLE_MIN_SIZE positions: a sample that touches every cache line
-# costs as much as a pass (measured at 1M: 0.22 ms for 65K samples, ~0.05 ms for 16K).
-_SAMPLE_SIZE = 1 << 16
-_SAMPLE_MIN_SIZE = 1 << 14
-_SAMPLE_MIN_STRIDE = 64
+# The threshold sample: _SAMPLE_SIZE positions at a constant stride.  Each sampled
+# position is a cache line read from main memory, so a large sample costs a good share
+# of a pass (measured at 6.25M float32: 65K positions of g and e 0.5 copies of the
+# bucket, 16K ~0.13); 16K positions put ~1.25 k candidates through at density 0.01
+# (65K: ~1.12 k), which the candidate compaction and the final introselect barely feel.
+_SAMPLE_SIZE = 1 << 14
 # Elements per block of the candidate pass: the block of x, its magnitudes and its mask
 # (~1.1 MB in float32) stay in a 2 MB L2.  Measured at 25M float32 on one thread: 64K
 # and 256K are within ~5%; 16K-32K (Python overhead per block) and 512K (L2 spill) are
 # 10-30% slower.
-_BLOCK = 1 << 17
+BLOCK = 1 << 17
 # numpy has no bfloat16; such tensors use torch.topk.
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
@@ -69,13 +68,10 @@ class TopkWorkspace:
         self._magnitudes: np.ndarray = np.empty(0, dtype=np.float32)
         self._scratch: np.ndarray = np.empty(0, dtype=np.float32)
         self._keep: np.ndarray = np.empty(0, dtype=np.bool_)
-        #: ``sum(x**2)`` of the last selection's input when its candidate pass computed it
-        #: (float32/float64 input), else None: a by-product that spares the caller a norm pass.
-        self.sum_of_squares: float | None = None
 
     def buffers(self, numel: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-        """A magnitude buffer and a bool mask for blocks of up to ``min(numel, _BLOCK)`` elements."""
-        size = min(numel, _BLOCK)
+        """A magnitude buffer and a bool mask for blocks of up to ``min(numel, BLOCK)`` elements."""
+        size = min(numel, BLOCK)
         if self._abs is None or self._abs.shape[0] != size or self._abs.dtype != dtype:
             self._abs = np.empty(size, dtype=dtype)
             self._mask = np.empty(size, dtype=np.bool_)
@@ -99,17 +95,15 @@ def topk_indices(x: torch.Tensor, k: int, workspace: TopkWorkspace | None = None
         raise ValueError(f"topk_indices expects a flat tensor, got shape {tuple(x.shape)}")
     if not 1 <= k <= x.numel():
         raise ValueError(f"k must be in [1, {x.numel()}], got {k}")
-    if workspace is not None:
-        workspace.sum_of_squares = None
-    if _fast_path_applies(x, k):
+    if fast_path_applies(x, k):
         found = _candidate_topk(x, k, workspace or TopkWorkspace())
         if found is not None:
             return found
     return _full_topk(x, k)
 
 
-def _fast_path_applies(x: torch.Tensor, k: int) -> bool:
-    # When k is a large share of x, nearly everything is a candidate: no gain.
+def fast_path_applies(x: torch.Tensor, k: int) -> bool:
+    """Whether the sampled-threshold candidate pass serves ``x``: a large CPU tensor numpy can read, k a small share of it."""
     return (
         x.device.type == "cpu"
         and x.dtype in _NUMPY_DTYPES
@@ -136,61 +130,77 @@ def _largest(magnitude: np.ndarray, k: int) -> np.ndarray:
 
 def _candidate_topk(x: torch.Tensor, k: int, workspace: TopkWorkspace) -> torch.Tensor | None:
     xn = x.detach().numpy()
-    threshold = _sampled_threshold(xn, k)
+    threshold = sampled_threshold(np.abs(xn[:: sample_stride(xn.shape[0])]), xn.shape[0], k)
     if not math.isfinite(threshold):
         return None
-    n = xn.shape[0]
-    magnitude, passes = workspace.buffers(n, xn.dtype)
-    t = magnitude.dtype.type(threshold)
-    block_positions: list[np.ndarray] = []
-    block_magnitudes: list[np.ndarray] = []
-    count = 0
-    # BLAS dot of the magnitudes while the block sits in cache: the norm for free (no fp16 BLAS).
-    squares = xn.dtype in (np.float32, np.float64)
-    sum_of_squares = 0.0
-    for start in range(0, n, _BLOCK):
-        block = xn[start : start + _BLOCK]
+    candidates = CandidatePass(workspace, xn.shape[0], xn.dtype, threshold)
+    for start in range(0, xn.shape[0], BLOCK):
+        candidates.add(xn[start : start + BLOCK], start)
+    return candidates.top(k)
+
+
+class CandidatePass:
+    """Step 2 of the module's selection, fed one block at a time; :meth:`top` is step 3.
+
+    Every element whose magnitude is at least ``threshold`` becomes a candidate.  The
+    caller walks its tensor in blocks of at most :data:`BLOCK` elements, so that a caller
+    that computes the block first (:mod:`flexcomm.compress.fused`) selects it while it is
+    still in cache.
+    """
+
+    def __init__(self, workspace: TopkWorkspace, numel: int, dtype: np.dtype, threshold: float) -> None:
+        self._workspace = workspace
+        self._magnitude, self._passes = workspace.buffers(numel, dtype)
+        self._threshold = self._magnitude.dtype.type(threshold)
+        self._positions: list[np.ndarray] = []
+        self._magnitudes: list[np.ndarray] = []
+        self._count = 0
+
+    def add(self, block: np.ndarray, start: int) -> None:
+        """Keep the candidates of ``block``, the elements ``start .. start + len(block)`` of the tensor."""
         size = block.shape[0]
-        mag = magnitude[:size]
-        mask = passes[:size]
+        mag, mask = self._magnitude[:size], self._passes[:size]
         np.abs(block, out=mag)
-        if squares:
-            sum_of_squares += float(np.dot(mag, mag))
-        np.greater_equal(mag, t, out=mask)
+        np.greater_equal(mag, self._threshold, out=mask)
         hits = np.flatnonzero(mask)
-        block_magnitudes.append(mag[hits])
+        self._magnitudes.append(mag[hits])
         hits += start
-        block_positions.append(hits)
-        count += hits.shape[0]
-    workspace.sum_of_squares = sum_of_squares if squares else None
-    if count < k:
-        return None
-    positions, magnitudes, scratch, keep = workspace.candidate_buffers(count, xn.dtype)
-    np.concatenate(block_positions, out=positions, casting="unsafe")
-    np.concatenate(block_magnitudes, out=magnitudes)
-    if count == k:
-        return torch.from_numpy(positions.copy())
-    # The k-th largest candidate magnitude, by an in-place introselect on a copy (no
-    # allocation, ~2x faster than argpartition plus the gathers it needs).
-    np.copyto(scratch, magnitudes)
-    scratch.partition(count - k)
-    kth = scratch[count - k]
-    np.greater(magnitudes, kth, out=keep)
-    chosen = positions[keep]
-    if chosen.shape[0] < k:
-        # Ties at the k-th magnitude: fill up with the first of them.
-        tied = positions[magnitudes == kth][: k - chosen.shape[0]]
-        chosen = np.concatenate([chosen, tied])
-    return torch.from_numpy(chosen)
+        self._positions.append(hits)
+        self._count += hits.shape[0]
+
+    def top(self, k: int) -> torch.Tensor | None:
+        """The exact top-k among the candidates (int32 indices), or None if fewer than ``k`` passed."""
+        count = self._count
+        if count < k:
+            return None
+        positions, magnitudes, scratch, keep = self._workspace.candidate_buffers(count, self._magnitude.dtype)
+        np.concatenate(self._positions, out=positions, casting="unsafe")
+        np.concatenate(self._magnitudes, out=magnitudes)
+        if count == k:
+            return torch.from_numpy(positions.copy())
+        # The k-th largest candidate magnitude, by an in-place introselect on a copy (no
+        # allocation, ~2x faster than argpartition plus the gathers it needs).
+        np.copyto(scratch, magnitudes)
+        scratch.partition(count - k)
+        kth = scratch[count - k]
+        np.greater(magnitudes, kth, out=keep)
+        chosen = positions[keep]
+        if chosen.shape[0] < k:
+            # Ties at the k-th magnitude: fill up with the first of them.
+            tied = positions[magnitudes == kth][: k - chosen.shape[0]]
+            chosen = np.concatenate([chosen, tied])
+        return torch.from_numpy(chosen)
 
 
-def _sampled_threshold(xn: np.ndarray, k: int) -> float:
-    """A magnitude that about ``k`` (plus a 3-sigma margin) elements of ``xn`` exceed."""
-    n = xn.shape[0]
-    stride = max(1, n // _SAMPLE_SIZE, min(_SAMPLE_MIN_STRIDE, n // _SAMPLE_MIN_SIZE))
-    sample = np.abs(xn[::stride])
+def sample_stride(numel: int) -> int:
+    """The stride of the threshold's sample of a ``numel``-element tensor."""
+    return max(1, numel // _SAMPLE_SIZE)
+
+
+def sampled_threshold(sample: np.ndarray, numel: int, k: int) -> float:
+    """A magnitude that about ``k`` (plus a 3-sigma margin) of ``numel`` elements exceed, from ``sample`` (magnitudes at :func:`sample_stride`)."""
     m = sample.shape[0]
-    expected = m * k / n
+    expected = m * k / numel
     keep = min(m, math.ceil(expected + 3.0 * math.sqrt(expected) + 1.0))
     top = np.partition(sample, m - keep)[m - keep :]
     # NaN sorts last (largest); a sampled NaN means a NaN gradient, which torch.topk

@@ -4,10 +4,9 @@ Rank i selects indices ``I_i`` of ``|a_i|`` (exact top-k or MSTopk) and sends k 
 plus k int32 indices in one allgather; the update is ``sum_i a_i[I_i] / N`` scattered at
 the ``I_i`` (overlaps add); rank i keeps ``e_i = a_i`` with ``I_i`` zeroed.
 
-Local work over the bucket's M elements: ``a = g + e`` into the spare buffer (one pass,
-by the memory), the selection (a read, which also sums the squares for the norm),
-zeroing the output (a write);
-everything else touches k or N*k elements.
+Local work over the bucket's M elements: one pass, by the memory (:mod:`flexcomm.compress.fused`):
+``a = g + e`` over the residual, the bucket zeroed, ``||a_i||`` and the exact top-k (MSTopk
+reads ``a`` again for its own search); everything else touches k or N*k elements.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import torch
 
 from flexcomm.comm import allgather, clock, used_on_current_stream
 from flexcomm.compress import pack, unpack_all
-from flexcomm.compress.stats import all_finite, contributed_values, gain, norm_after_selection
+from flexcomm.compress.stats import all_finite, gain, nan_unless
 from flexcomm.exchange.job import BucketJob, Timings, report_timings
 
 
@@ -32,7 +31,7 @@ def exchange_allgather(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
         used_on_current_stream(indices)
         update = apply_update(job, indices, fut.value())
         finished = clock.now(device)
-        spans = (started, launched), (done, finished)
+        spans = job.local_spans((started, launched), (done, finished))
         report_timings(job, Timings("allgather", rec.bytes_sent, exchange=(launched, done), network=(launched, done), compress=spans))
         return update
 
@@ -40,17 +39,16 @@ def exchange_allgather(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
 
 
 def contribution(job: BucketJob) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local work before the allgather: select, gather the values (NaN if ``a_i`` is not finite), divide by N, pack.
+    """Local work before the allgather: select, take the values out of the residual (NaN if ``a_i`` is not finite), divide by N, pack.
 
     The values travel in the gradient's dtype (``a_i`` is fp32 for half-precision
     gradients, see :mod:`flexcomm.compress.memory`), divided by N first as DDP does.
     """
-    a, k = job.accumulated, job.k
-    assert job.selector is not None
-    indices = job.selector(a, k, job.workspace)
-    norm, finite = norm_after_selection(a, job.workspace)
-    values = contributed_values(a, indices, finite)
-    job.outcome.gain = gain(values, norm)
+    k, accumulation = job.k, job.accumulation
+    assert accumulation is not None
+    indices = job.selected()
+    values = nan_unless(job.memory.take(job.index, indices), accumulation.finite)
+    job.outcome.gain = gain(values, accumulation.norm)
     values = values.div_(job.world_size).to(job.grad.dtype)
     # MSTopk may find fewer than k; pad the message with zero values at index 0 so that
     # every rank's message has the same size (adding zeros changes nothing).
@@ -59,7 +57,7 @@ def contribution(job: BucketJob) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_update(job: BucketJob, indices: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-    """Local work after the allgather: commit the residual, add every rank's values into the zeroed bucket.
+    """Local work after the allgather: commit the residual, add every rank's values into the (zeroed) bucket.
 
     One ``index_add_`` per source rank, in rank order: within a rank the indices are
     distinct (MSTopk's padding adds exact zeros), so no two atomic adds on a GPU meet at
@@ -68,8 +66,8 @@ def apply_update(job: BucketJob, indices: torch.Tensor, gathered: torch.Tensor) 
     """
     all_values, all_indices = unpack_all(gathered, job.world_size, job.k, job.grad.dtype)
     job.outcome.finite = finite_update = all_finite(all_values)
-    job.memory.commit(job.index, job.layout, indices, finite_update)
-    update = job.grad.zero_()
+    job.memory.commit(job.index, finite_update)
+    update = job.grad  # zeroed by the accumulation pass
     for source_values, source_indices in zip(all_values.view(job.world_size, -1), all_indices.view(job.world_size, -1)):
         update.index_add_(0, source_indices, source_values)
     return update

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from flexcomm.comm.clock import Mark, readable_now, seconds
 from flexcomm.compress import Layout, ResidualMemory, Selector, TopkWorkspace
+from flexcomm.compress.fused import Accumulation
 from flexcomm.exchange.leaders import LeaderPolicy
 
 
@@ -105,12 +106,15 @@ class BucketJob:
 
     ``grad`` is the bucket's own buffer: the exchange writes the averaged update into it.
     ``accumulated`` is the error-corrected gradient ``a_i = g_i + e_i``: ``grad`` itself
-    for a dense exchange (compensated in place), else the residual memory's spare buffer
-    (:meth:`~flexcomm.compress.ResidualMemory.accumulate`), which becomes the new residual
-    when the exchange commits it.  ``record`` arrives with the step, bucket, exchange, k
-    and density filled in; the exchange fills in its host-side measurements and puts its
-    device-side ones in ``outcome``.  ``selector`` and ``leaders`` are set when the
-    exchange needs them.
+    for a dense exchange (compensated in place), else the residual's own buffer, which
+    becomes the new residual when the exchange commits it.  For a sparse exchange
+    ``accumulation`` is what that pass produced (:meth:`~flexcomm.compress.ResidualMemory.accumulate`:
+    ``grad`` already zeroed, ``||a_i||``, and the top-k on a rank that selects with the
+    exact top-k), and ``accumulation_span`` its time marks (local work of the exchange).
+    ``leader`` is the AR-Topk index source (-1 for other exchanges).  ``record`` arrives
+    with the step, bucket, exchange, k and density filled in; the exchange fills in its
+    host-side measurements and puts its device-side ones in ``outcome``.  ``selector``
+    and ``leaders`` are set when the exchange needs them.
     """
 
     grad: torch.Tensor
@@ -129,3 +133,17 @@ class BucketJob:
     measured: Measured
     selector: Selector | None = None
     leaders: LeaderPolicy | None = None
+    accumulation: Accumulation | None = None
+    accumulation_span: tuple[Mark, Mark] | None = None
+    leader: int = -1
+
+    def selected(self) -> torch.Tensor:
+        """This rank's selection of ``accumulated``: the accumulation pass's top-k, else the selector's."""
+        if self.accumulation is not None and self.accumulation.indices is not None:
+            return self.accumulation.indices
+        assert self.selector is not None
+        return self.selector(self.accumulated, self.k, self.workspace)
+
+    def local_spans(self, *spans: tuple[Mark, Mark]) -> tuple[tuple[Mark, Mark], ...]:
+        """The exchange's local-work spans, the accumulation pass's first."""
+        return spans if self.accumulation_span is None else (self.accumulation_span, *spans)

@@ -105,3 +105,20 @@ def test_a_non_finite_exchange_drops_the_residual_at_settle() -> None:
     assert memory.holds(0)
     memory.settle()
     assert memory.residual(0) is None
+
+
+def test_a_dropped_residual_leaves_its_buffer_to_the_next_sparse_step_which_ignores_its_contents() -> None:
+    memory = ResidualMemory()
+    g = heavy(300_000, 0)
+    g[7] = float("nan")
+    first = memory.accumulate(0, LAYOUT, g.clone(), 3_000)
+    memory.take(0, first.indices)
+    memory.commit(0, torch.tensor(False))  # the NaN step: the residual is dropped at settle
+    memory.settle()
+    assert memory.residual(0) is None
+    g2 = heavy(300_000, 2)
+    second = memory.accumulate(0, LAYOUT, g2.clone(), 3_000)
+    assert second.a.data_ptr() == first.a.data_ptr()  # no new gradient-sized allocation
+    assert torch.equal(second.a, g2)  # a = g: the NaN left in the buffer is not read
+    assert set(second.indices.tolist()) == top_set(g2, 3_000)
+

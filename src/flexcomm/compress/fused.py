@@ -55,18 +55,22 @@ class Accumulation:
 
 
 def accumulate_in_place(residual: torch.Tensor, grad: torch.Tensor, k: int | None = None,
-                        workspace: TopkWorkspace | None = None) -> Accumulation:
+                        workspace: TopkWorkspace | None = None, fresh: bool = False) -> Accumulation:
     """``residual += grad``, ``grad`` zeroed, ``||residual||``, and its top-k indices if ``k`` is given.
 
     ``residual`` and ``grad`` are flat and of one size; ``residual`` may be wider (fp32 for
-    a half-precision ``grad``).
+    a half-precision ``grad``).  ``fresh``: there is no residual yet, and ``residual`` is
+    only a buffer to hold ``a = g`` (copied, its old contents never read).
     """
     if residual.shape != grad.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and gradient {tuple(grad.shape)} differ in shape")
     workspace = workspace or TopkWorkspace()
     if _blocked_pass_applies(residual, grad):
-        return _blocked(residual, grad, k, workspace)
-    residual.add_(grad)
+        return _blocked(residual, grad, k, workspace, fresh)
+    if fresh:
+        residual.copy_(grad)
+    else:
+        residual.add_(grad)
     grad.zero_()
     norm, finite = norm_and_finiteness(residual)
     indices = topk_indices(residual, k, workspace) if k is not None else None
@@ -84,19 +88,23 @@ def _blocked_pass_applies(residual: torch.Tensor, grad: torch.Tensor) -> bool:
     )
 
 
-def _blocked(residual: torch.Tensor, grad: torch.Tensor, k: int | None, workspace: TopkWorkspace) -> Accumulation:
+def _blocked(residual: torch.Tensor, grad: torch.Tensor, k: int | None, workspace: TopkWorkspace, fresh: bool) -> Accumulation:
     e, g = residual.detach().numpy(), grad.detach().numpy()
     n = e.shape[0]
     candidates = None
     if k is not None and fast_path_applies(residual, k):
         stride = sample_stride(n)
-        threshold = sampled_threshold(np.abs(g[::stride] + e[::stride]), n, k)
+        sample = g[::stride] if fresh else g[::stride] + e[::stride]
+        threshold = sampled_threshold(np.abs(sample), n, k)
         if math.isfinite(threshold):
             candidates = CandidatePass(workspace, n, e.dtype, threshold)
     sum_of_squares = 0.0
     for start in range(0, n, BLOCK):
         e_block, g_block = e[start : start + BLOCK], g[start : start + BLOCK]
-        np.add(e_block, g_block, out=e_block)
+        if fresh:
+            np.copyto(e_block, g_block)
+        else:
+            np.add(e_block, g_block, out=e_block)
         g_block.fill(0)
         sum_of_squares += float(np.dot(e_block, e_block))
         if candidates is not None:

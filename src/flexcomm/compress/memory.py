@@ -70,6 +70,10 @@ class ResidualMemory:
         self.named = named
         self._residuals: dict[int, torch.Tensor] = {}
         self._layouts: dict[int, Layout] = {}
+        # The buffers of dropped residuals, kept for the bucket's next sparse step: a fresh
+        # gradient-sized allocation page-faults (on CPU ~3 GB/s, as slow as the pass itself),
+        # and flex's explorations would measure that instead of the exchange's local work.
+        self._unused: dict[int, torch.Tensor] = {}
         # Buckets whose residual is dropped at settle if the device condition holds.
         self._pending: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # commits arrive on the backend's threads
@@ -88,10 +92,27 @@ class ResidualMemory:
         Follow with :meth:`take` once the sent indices are known, then :meth:`commit`.
         """
         residual = self._current(bucket_index, layout, grad)
+        fresh = residual is None
         if residual is None:
-            residual = torch.zeros_like(grad, dtype=residual_dtype(grad.dtype))
+            residual = self._buffer(bucket_index, grad)
             self._residuals[bucket_index], self._layouts[bucket_index] = residual, layout
-        return accumulate_in_place(residual, grad, k, workspace)
+        return accumulate_in_place(residual, grad, k, workspace, fresh=fresh)
+
+    def reserve(self, bucket_index: int, grad: torch.Tensor) -> None:
+        """Make sure :meth:`accumulate` finds a buffer for ``grad`` with its pages mapped (a one-time cost, paid here)."""
+        if bucket_index in self._residuals or self._fits(self._unused.get(bucket_index), grad):
+            return
+        self._unused[bucket_index] = torch.zeros_like(grad, dtype=residual_dtype(grad.dtype))
+
+    def _buffer(self, bucket_index: int, grad: torch.Tensor) -> torch.Tensor:
+        """A residual buffer for ``grad``: the bucket's unused one if it fits, else a new one."""
+        unused = self._unused.pop(bucket_index, None)
+        return unused if self._fits(unused, grad) else torch.empty_like(grad, dtype=residual_dtype(grad.dtype))
+
+    @staticmethod
+    def _fits(buffer: torch.Tensor | None, grad: torch.Tensor) -> bool:
+        return (buffer is not None and buffer.shape == grad.shape and buffer.dtype == residual_dtype(grad.dtype)
+                and buffer.device == grad.device)
 
     def take(self, bucket_index: int, indices: torch.Tensor) -> torch.Tensor:
         """The values of :meth:`accumulate`'s ``a`` at ``indices``, zeroed there: what is sent leaves the residual.
@@ -168,9 +189,11 @@ class ResidualMemory:
         residual[sent.long()] = 0
 
     def forget(self, bucket_index: int) -> None:
-        """Drop a bucket's residual (after a dense exchange sent everything)."""
-        self._residuals.pop(bucket_index, None)
+        """Drop a bucket's residual (after a dense exchange sent everything); its buffer waits for reuse."""
+        residual = self._residuals.pop(bucket_index, None)
         self._layouts.pop(bucket_index, None)
+        if residual is not None:
+            self._unused[bucket_index] = residual
 
     def layout(self, bucket_index: int) -> Layout | None:
         """The parameters (key, numel) of the bucket's residual, in buffer order."""
@@ -192,6 +215,7 @@ class ResidualMemory:
         for index in list(self._residuals):
             self._pieces.update(_cut(self._residuals[index], self._layouts[index]))
             self.forget(index)
+        self._unused.clear()  # the buckets are rebuilt: old buffers fit no one reliably
 
     def _assemble(self, bucket_index: int, layout: Layout, grad: torch.Tensor) -> torch.Tensor | None:
         if not any(key in self._pieces for key, _ in layout):
@@ -229,7 +253,7 @@ class ResidualMemory:
                 + ("with" if self.named else "without")
                 + " parameter names (flexcomm.register)"
             )
-        self._residuals, self._layouts, self._pending = {}, {}, {}
+        self._residuals, self._layouts, self._pending, self._unused = {}, {}, {}, {}
         if self.named:
             self._pieces = {key: piece.clone() for key, piece in state["pieces"].items()}
         else:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from flexcomm.compress.stats import norm_and_finiteness
-from flexcomm.compress.topk import (BLOCK, CandidatePass, TopkWorkspace, fast_path_applies, sample_stride,
+from flexcomm.compress.topk import (BLOCK, CandidatePass, TopkWorkspace, fast_path_applies, full_topk, sample_stride,
                                     sampled_threshold, topk_indices)
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
@@ -113,6 +113,8 @@ def _blocked(residual: torch.Tensor, grad: torch.Tensor, k: int | None, workspac
     if k is not None:
         indices = candidates.top(k) if candidates is not None else None
         if indices is None:
-            indices = topk_indices(residual, k, workspace)
+            # topk_indices would take the same sample of the same a and fail the same way
+            # (or skip its candidate pass, as this pass did): go to the exact selection.
+            indices = full_topk(residual, k)
     norm = torch.tensor(math.sqrt(sum_of_squares), dtype=residual.dtype)
     return Accumulation(residual, norm, torch.isfinite(norm), indices)

@@ -99,7 +99,7 @@ def topk_indices(x: torch.Tensor, k: int, workspace: TopkWorkspace | None = None
         found = _candidate_topk(x, k, workspace or TopkWorkspace())
         if found is not None:
             return found
-    return _full_topk(x, k)
+    return full_topk(x, k)
 
 
 def fast_path_applies(x: torch.Tensor, k: int) -> bool:
@@ -112,7 +112,7 @@ def fast_path_applies(x: torch.Tensor, k: int) -> bool:
     )
 
 
-def _full_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+def full_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """Exact top-k over all of ``x``: numpy's introselect where it can (~5x faster than
     ``torch.topk`` at 25M on one thread), ``torch.topk`` for other dtypes and devices."""
     if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES:

@@ -255,6 +255,14 @@ def argument_parser(doc: str, quick: str | None = None, **lists: str) -> argpars
     return parser
 
 
+def proc_status_kib(field: str, pid: int | str = "self") -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ...); OSError if the process is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
 def command_line() -> str:
     """The command that produced a result, for its JSON."""
     return " ".join(["python", *sys.argv])

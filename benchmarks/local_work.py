@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 import flexcomm
-from common import argument_parser, command_line, figure, median, numbers, save, write_csv
+from common import argument_parser, command_line, figure, median, numbers, proc_status_kib, save, write_csv
 from flexcomm.compress import ResidualMemory, TopkWorkspace, k_for, topk_indices
 from flexcomm.compress.stats import to_host
 from flexcomm.exchange import BucketJob, RoundRobin
@@ -204,14 +204,6 @@ def run_case(bucket: Bucket, repeats: int, progress: tqdm) -> dict[str, list[flo
     return times
 
 
-def resident_kib(field: str) -> int:
-    """``VmRSS`` or ``VmHWM`` (the peak since the last reset) of this process, in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def peak_extra_copies(method: str, numel: int, density: float) -> float:
     """In a child process (see the module docstring): two steps of ``method``'s peak resident growth, in bucket copies."""
     warm_setup, warm_run = case_methods(Bucket(1 << 18, density))[method]
@@ -220,11 +212,11 @@ def peak_extra_copies(method: str, numel: int, density: float) -> float:
     bucket = Bucket(numel, density)
     setup, run = case_methods(bucket)[method]
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak-RSS mark
-    before = resident_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     for _ in range(2):
         setup()
         run()
-    return (resident_kib("VmHWM") - before) * 1024 / (numel * bucket.g.element_size())
+    return (proc_status_kib("VmHWM") - before) * 1024 / (numel * bucket.g.element_size())
 
 
 def measure_memory(numel: int, density: float) -> dict[str, float]:

@@ -51,16 +51,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common import proc_status_kib
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CONFIGS = "none,dense:1,artopk-star:0.01,flex:0.01,flex:auto"
 TOP_TYPES = 8
 
 
 def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return proc_status_kib("VmRSS") / 1024
 
 
 def malloc_trim() -> None:

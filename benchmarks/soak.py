@@ -35,6 +35,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common import proc_status_kib  # noqa: E402
 from flexcomm.launch import rank_pids  # noqa: E402
 from flexcomm.train.records import read_records  # noqa: E402
 
@@ -58,13 +59,11 @@ def schedule(minutes: float) -> str:
 
 
 def rss_mb(pid: int) -> float | None:
+    """The rank's resident memory, or None once it is gone (or a zombie, which has no VmRSS)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
+        return proc_status_kib("VmRSS", pid) / 1024
+    except (OSError, RuntimeError):
         return None
-    return None
 
 
 def main() -> None:

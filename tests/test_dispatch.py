@@ -29,25 +29,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flexcomm
 from flexcomm.comm import Dispatcher
 from flexcomm.compress import k_for, unpack_all
+from delays import SlowBackward
 from multiproc import run_world
 
 BUCKETS = 10
 NUMEL = 4096
 DENSITY = 0.02
-
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: buckets reach the hook at rank-dependent times."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, delay: float) -> torch.Tensor:
-        ctx.delay = delay
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.delay)
-        return grad, None
 
 
 class ManyBuckets(nn.Module):
@@ -59,7 +46,7 @@ class ManyBuckets(nn.Module):
         self.rng = rng
 
     def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return sum((_SlowBackward.apply(w, self.rng.uniform(0, 0.004)) * g).sum() for w, g in zip(self.weights, grads))
+        return sum((SlowBackward.apply(w, self.rng.uniform(0, 0.004)) * g).sum() for w, g in zip(self.weights, grads))
 
 
 def gradients(rank: int, step: int) -> list[torch.Tensor]:

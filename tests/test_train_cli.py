@@ -58,7 +58,8 @@ def out(tmp_path: Path) -> list[str]:
         (["--net", "fast:10s"], "argument --net: bad rate 'fast'"),
         (["--steps", "5", "--epochs", "1"], "argument --epochs: not allowed with argument --steps"),
         (["--dirichlet-alpha", "0.3"], "--dirichlet-alpha only applies to --partition dirichlet"),
-        (["--powersgd-rank", "2"], "--powersgd-rank only applies to --compressor powersgd"),
+        (["--powersgd-rank", "2"], "--powersgd-rank only applies to --compressor powersgd or lowrank"),
+        (["--compressor", "lowrank", "--density", "0.1"], "--density does not apply to --compressor lowrank"),
         (["--compressor", "fp16", "--density", "0.1"], "--density does not apply to --compressor fp16"),
         (["--compressor", "fp16", "--warmup-steps", "5"], "--warmup-steps does not apply to --compressor fp16"),
         (["--dataset", "npz"], "--dataset npz needs --data-dir"),
@@ -76,6 +77,12 @@ def test_compressors_come_from_the_package() -> None:
     choices = cli.build_parser()._option_string_actions["--compressor"].choices
     assert set(flexcomm.COMPRESSORS) <= set(choices)
     assert {"powersgd", "fp16"} <= set(choices)
+
+
+@pytest.mark.parametrize(("compressor", "rank"), [("lowrank", []), ("lowrank", ["--powersgd-rank", "2"]), ("powersgd", [])])
+def test_factor_rank_defaults_per_compressor(compressor: str, rank: list[str], tmp_path: Path) -> None:
+    cfg, _ = cli.parse_config(SMALL + ["--compressor", compressor, *rank] + out(tmp_path))
+    assert cfg.powersgd_rank == (int(rank[1]) if rank else {"lowrank": 4, "powersgd": 1}[compressor])
 
 
 def test_emulation_requested_but_unavailable(

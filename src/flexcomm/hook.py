@@ -22,6 +22,10 @@ the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
 ``artopk-var``   as ``artopk-star``, with r = the rank whose EWMA of a gradient statistic
                  (L2 norm of ``a_i`` by default, or its variance) is largest, ties to the
                  lowest rank (see :mod:`flexcomm.exchange.leaders`).
+``lowrank``      PowerSGD's subspace iteration with warm start: each matrix-shaped
+                 ``M_i`` is sent as ``P = orth(sum_i M_i Q)`` and ``Q_i = M_i^T P`` in two
+                 allreduces; the update is ``P (sum_i Q_i)^T / N``; rank i keeps
+                 ``M_i - P Q_i^T`` (see :mod:`flexcomm.compress.lowrank`).
 ``flex``         per bucket, whichever of dense, dense16 (``a_i / N`` allreduced in fp16,
                  as PyTorch's ``fp16_compress_hook``), agtopk and artopk-star the
                  alpha-beta model (plus measured local work) predicts makes the step

@@ -10,16 +10,20 @@ compressor     selector    leader policy   exchange
 ``mstopk``     ``mstopk``  --              ``agtopk``
 ``artopk-star``  ``topk``  ``round-robin``  ``artopk``: broadcast indices, allreduce values
 ``artopk-var``   ``topk``  ``statistic``    ``artopk``
+``lowrank``    --          --              ``lowrank``: allreduce of rank-r factors (PowerSGD)
 ``flex``       ``topk``    ``round-robin``  per bucket by the cost model: ``dense``, ``dense16``, ``agtopk``, ``artopk``
 =============  ==========  ==============  =========================================
 
 STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
+``lowrank`` sends ``rank``-r factors of each matrix-shaped gradient instead of a density's
+share of its elements (:mod:`flexcomm.compress.lowrank`): ``density`` does not apply to it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flexcomm.compress.lowrank import DEFAULT_RANK
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.exchange.leaders import STATISTICS
 from flexcomm.validation import check_choice, check_fraction, check_int
@@ -40,6 +44,7 @@ COMPRESSOR_TABLE: dict[str, Compressor] = {
     "mstopk": Compressor(selector="mstopk", leader=None, exchange="agtopk"),
     "artopk-star": Compressor(selector="topk", leader="round-robin", exchange="artopk"),
     "artopk-var": Compressor(selector="topk", leader="statistic", exchange="artopk"),
+    "lowrank": Compressor(selector=None, leader=None, exchange="lowrank"),
     "flex": Compressor(selector="topk", leader="round-robin", exchange=None),
 }
 COMPRESSORS = tuple(COMPRESSOR_TABLE)
@@ -62,12 +67,17 @@ class FlexOptions:
     forgetting: float = 0.9
     max_records: int = 100_000
     dense16: bool = True
+    rank: int = DEFAULT_RANK
 
     def __post_init__(self) -> None:
         check_choice("compressor", self.compressor, COMPRESSORS)
+        if self.compressor == "lowrank" and self.density == "auto":
+            raise ValueError("density='auto' chooses a top-k density; compressor='lowrank' sends rank-r factors "
+                             "(set rank=, or use compressor='flex' with density='auto')")
         if self.density != "auto":
             check_fraction("density", self.density, low_open=True, high_open=False, extra=" or 'auto'")
-        for name, minimum in (("warmup_steps", 0), ("mstopk_rounds", 1), ("flex_interval", 1), ("probe_every", 1), ("max_records", 1)):
+        for name, minimum in (("warmup_steps", 0), ("mstopk_rounds", 1), ("flex_interval", 1), ("probe_every", 1),
+                              ("max_records", 1), ("rank", 1)):
             check_int(name, getattr(self, name), minimum)
         check_choice("var_statistic", self.var_statistic, VAR_STATISTICS)
         check_fraction("var_smoothing", self.var_smoothing, low_open=False, high_open=True)

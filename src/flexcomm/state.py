@@ -35,6 +35,7 @@ from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, clock, e
 from flexcomm.comm.clock import Mark
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
 from flexcomm.compress.fused import Accumulation
+from flexcomm.compress.lowrank import DEFAULT_RANK, LowRankQueries
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.stats import to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
@@ -59,6 +60,7 @@ class HandedBucket:
     opens_step: bool
     closes_step: bool
     ready: torch.cuda.Event | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class FlexState:
@@ -84,6 +86,7 @@ class FlexState:
         dense16: ``flex`` may allreduce a bucket of fp32 gradients in fp16 (``dense16``, what
             PyTorch's ``fp16_compress_hook`` sends) where that makes the step fastest; ``False``
             keeps its dense choice in the gradients' own dtype.
+        rank: the rank of ``lowrank``'s factors.
     """
 
     def __init__(
@@ -102,10 +105,11 @@ class FlexState:
         forgetting: float = 0.9,
         max_records: int = 100_000,
         dense16: bool = True,
+        rank: int = DEFAULT_RANK,
     ) -> None:
         self.options = options = FlexOptions(
             compressor, density, warmup_steps, mstopk_rounds, var_statistic, var_smoothing,
-            flex_interval, probe_every, probe_sizes, forgetting, max_records, dense16,
+            flex_interval, probe_every, probe_sizes, forgetting, max_records, dense16, rank,
         )
         if density == "auto":
             controller = controller or DensityController()
@@ -123,6 +127,7 @@ class FlexState:
         self.leaders: LeaderPolicy | None = make_leader_policy(roles.leader, var_statistic, var_smoothing) if roles.leader else None
         self.step = 0
         self.memory = ResidualMemory()
+        self.low_rank = LowRankQueries(rank)
         self.records: deque[BucketRecord] = deque(maxlen=max_records)
         self.dispatcher = Dispatcher()
         self.streams = ExchangeStreams()
@@ -201,6 +206,7 @@ class FlexState:
             "memory": self.memory.state_dict(),
             "leaders": self.leaders.state_dict() if self.leaders else None,
             "planner": self.planner.state_dict(),
+            "low_rank": self.low_rank.state_dict(),
         }
 
     def load_state_dict(
@@ -236,6 +242,8 @@ class FlexState:
         self.memory.load_state_dict(state["memory"])
         if self.leaders:
             self.leaders.load_state_dict(state["leaders"])
+        if "low_rank" in state:  # states saved before the low-rank exchange have none
+            self.low_rank.load_state_dict(state["low_rank"])
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -254,6 +262,7 @@ class FlexState:
             "compressor": o.compressor,
             **self.planner.fingerprint(),
             "mstopk_rounds": o.mstopk_rounds,
+            "rank": o.rank,
             "var": (o.var_statistic, o.var_smoothing),
             "flex": (o.flex_interval, o.probe_every, o.probe_sizes, o.forgetting),
             "first_bucket": (first_bucket.numel(), str(first_bucket.dtype)),
@@ -268,7 +277,9 @@ class FlexState:
     def hand_over(self, bucket: dist.GradBucket) -> HandedBucket:
         """Note a bucket DDP handed over (autograd thread): no collective, no tensor work (on a GPU, one event)."""
         grad, last = bucket.buffer(), bucket.is_last()
-        handed = HandedBucket(grad, bucket.index(), self._layout(bucket), self.step, not self._in_step, last, mark_ready(grad))
+        shapes = tuple(tuple(p.shape) for p in bucket.parameters())
+        handed = HandedBucket(grad, bucket.index(), self._layout(bucket), self.step, not self._in_step, last,
+                              mark_ready(grad), shapes)
         self._in_step = True
         self.advance(last)
         return handed
@@ -289,6 +300,8 @@ class FlexState:
             check_index_range(numel)
         k = numel if dense else k_for(numel, plan.density)
         leader = self.leaders.take(index, step, self.world_size) if plan.exchange == "artopk" else -1
+        low_rank = (self.low_rank.bucket(index, handed.layout, handed.shapes, grad.device, self.memory.named)
+                    if plan.exchange == "lowrank" else None)
         workspace = self._workspaces.setdefault(index, TopkWorkspace())
         accumulation, span = None, None
         if dense:
@@ -316,7 +329,7 @@ class FlexState:
             grad=grad, accumulated=accumulated, index=index, layout=handed.layout, k=k, step=step,
             group=self.process_group, world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace,
             record=record, outcome=outcome, measured=self._measured, selector=self.selector, leaders=self.leaders,
-            accumulation=accumulation, accumulation_span=span, leader=leader,
+            accumulation=accumulation, accumulation_span=span, leader=leader, low_rank=low_rank,
         )
 
     def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:

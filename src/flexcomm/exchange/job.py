@@ -13,6 +13,7 @@ import torch.distributed as dist
 from flexcomm.comm.clock import Mark, readable_now, seconds
 from flexcomm.compress import Layout, ResidualMemory, Selector, TopkWorkspace
 from flexcomm.compress.fused import Accumulation
+from flexcomm.compress.lowrank import LowRankBucket
 from flexcomm.exchange.leaders import LeaderPolicy
 
 
@@ -111,7 +112,8 @@ class BucketJob:
     ``accumulation`` is what that pass produced (:meth:`~flexcomm.compress.ResidualMemory.accumulate`:
     ``grad`` already zeroed, ``||a_i||``, and the top-k on a rank that selects with the
     exact top-k), and ``accumulation_span`` its time marks (local work of the exchange).
-    ``leader`` is the AR-Topk index source (-1 for other exchanges).  ``record`` arrives
+    ``leader`` is the AR-Topk index source (-1 for other exchanges); ``low_rank`` the
+    low-rank exchange's split and queries (``None`` for other exchanges).  ``record`` arrives
     with the step, bucket, exchange, k and density filled in; the exchange fills in its
     host-side measurements and puts its device-side ones in ``outcome``.  ``selector``
     and ``leaders`` are set when the exchange needs them.
@@ -136,6 +138,7 @@ class BucketJob:
     accumulation: Accumulation | None = None
     accumulation_span: tuple[Mark, Mark] | None = None
     leader: int = -1
+    low_rank: LowRankBucket | None = None
 
     def selected(self) -> torch.Tensor:
         """This rank's selection of ``accumulated``: the accumulation pass's top-k, else the selector's."""

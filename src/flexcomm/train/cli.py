@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flexcomm.compress.lowrank import DEFAULT_RANK
 from flexcomm.control import RULES
 from flexcomm.netem import MAX_HOSTS, netem_available, parse_schedule
 from flexcomm.train import checkpoint
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--warmup-steps", type=_int_at_least(0), default=_DEFAULTS.warmup_steps, metavar="N",
                       help="exchange dense for the first N steps; PowerSGD: at least 2 (default: %(default)s)")
     comm.add_argument("--powersgd-rank", type=_int_at_least(1), metavar="R",
-                      help="PowerSGD's matrix approximation rank (default: 1)")
+                      help="the factors' rank of PowerSGD (default: 1) and of --compressor lowrank (default: 4)")
     comm.add_argument("--auto-warmup", type=_int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
                       help="--density auto: dense steps before the controller's first decision; 0: it "
                            "decides at step 1, so a slow link runs sparse from step 1 or 2 (default: %(default)s)")
@@ -235,8 +236,10 @@ def _check_combinations(args: argparse.Namespace) -> None:
     flexcomm_compressor = args.compressor not in TORCH_COMPRESSORS
     if args.dirichlet_alpha is not None and args.partition != "dirichlet":
         raise _OptionError("--dirichlet-alpha only applies to --partition dirichlet")
-    if args.powersgd_rank is not None and args.compressor != "powersgd":
-        raise _OptionError("--powersgd-rank only applies to --compressor powersgd")
+    if args.powersgd_rank is not None and args.compressor not in ("powersgd", "lowrank"):
+        raise _OptionError("--powersgd-rank only applies to --compressor powersgd or lowrank")
+    if args.density is not None and args.compressor == "lowrank":
+        raise _OptionError("--density does not apply to --compressor lowrank (it sends rank-r factors: --powersgd-rank)")
     if args.density is not None and not flexcomm_compressor:
         raise _OptionError(f"--density does not apply to --compressor {args.compressor}")
     if args.warmup_steps and args.compressor == "fp16":
@@ -292,7 +295,7 @@ def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
         auto_every=args.auto_every,
         auto_rule=args.auto_rule,
         auto_min_gain=args.auto_min_gain,
-        powersgd_rank=(args.powersgd_rank or 1) if args.compressor == "powersgd" else None,
+        powersgd_rank=_factor_rank(args),
         nproc=args.nproc,
         net=net,
         epochs=args.epochs,
@@ -392,5 +395,15 @@ def _report(run_dir: Path) -> None:
     print("flexcomm-train: report: " + ", ".join(str(p) for p in written))
 
 
+def _factor_rank(args: argparse.Namespace) -> int | None:
+    """The factors' rank of PowerSGD (PyTorch's default 1) or of flexcomm's lowrank (its default); else None."""
+    if args.compressor == "powersgd":
+        return args.powersgd_rank or 1
+    if args.compressor == "lowrank":
+        return args.powersgd_rank or DEFAULT_RANK
+    return None
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
+

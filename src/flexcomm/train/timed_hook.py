@@ -211,8 +211,9 @@ def _make_state(cfg: TrainConfig) -> Any:
     # A group of the hook's own (every rank builds it here, at the same point): flex's agreement
     # allreduce is issued when a step's last bucket is, and on DDP's group it would race DDP's
     # broadcast of BatchNorm buffers at the next forward ("Received data size doesn't match").
+    rank = {"rank": cfg.powersgd_rank} if cfg.compressor == "lowrank" and cfg.powersgd_rank else {}
     return flexcomm.FlexState(process_group=own_group(None), compressor=cfg.compressor, density=cfg.density,
-                              controller=controller, warmup_steps=cfg.warmup_steps)
+                              controller=controller, warmup_steps=cfg.warmup_steps, **rank)
 
 
 def _inner_hook(compressor: str) -> Any:

@@ -328,7 +328,8 @@ class Trainer:
         }
         (self.run_dir / DATA_FILE).write_text(json.dumps(info, indent=2) + "\n")
         resumed = f", resuming at step {self.start_step}" if self.start_step else ""
-        exchange = cfg.compressor if cfg.density is None else f"{cfg.compressor} at density {cfg.density}"
+        exchange = (f"{cfg.compressor} at rank {cfg.powersgd_rank}" if cfg.powersgd_rank
+                    else cfg.compressor if cfg.density is None else f"{cfg.compressor} at density {cfg.density}")
         tqdm.write(
             f"flexcomm-train: {cfg.model} x{cfg.width:g} with {self.param_count:,} parameters on {self.me.world_size} "
             f"rank(s) ({self.me.backend}, {self.me.device}); {exchange}; "

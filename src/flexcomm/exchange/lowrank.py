@@ -1,0 +1,111 @@
+"""Low-rank exchange (``lowrank``, PowerSGD's subspace iteration): two allreduces of thin factors.
+
+With the math of :mod:`flexcomm.compress.lowrank` (``M_i`` a compressed matrix of rank i's
+error-corrected bucket, ``Q`` its warm-start query, equal on every rank):
+
+1. ``P_i = M_i Q`` for every matrix, packed with the bucket's other parameters divided by N
+   (``rest_i / N``) into one buffer, allreduced (sum) -- the dispatcher thread waits for it,
+   so the second allreduce is issued before the next bucket's first collective on every rank;
+2. each ``P`` is orthonormalized (equal on every rank); ``Q_i = M_i^T P``; the residual
+   becomes ``M_i - P Q_i^T`` (in place: ``a_i`` is the residual's own buffer) and 0 on the
+   rest, which went whole; the ``Q_i`` are packed and allreduced (sum), asynchronously;
+3. the update is ``P (sum_i Q_i)^T / N`` on each matrix and ``sum_i rest_i / N`` on the rest,
+   written into the (zeroed) bucket; ``sum_i Q_i`` becomes the next step's query.
+
+A non-finite ``a_i`` on any rank makes the first buffer NaN on every rank (``nan_unless``),
+so the update is NaN everywhere and every rank drops its residual, as for the top-k
+exchanges.  Bytes per rank: ``4 * (sum (n + m) r + rest)``, in two collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexcomm.comm import allreduce_sum, clock, used_on_current_stream
+from flexcomm.compress.lowrank import FACTOR_DTYPE, orthonormalize_
+from flexcomm.compress.stats import all_finite, nan_unless
+from flexcomm.exchange.job import BucketJob, Timings, report_timings
+
+
+def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
+    a, rec, n = job.accumulated, job.record, job.world_size
+    accumulation, low_rank = job.accumulation, job.low_rank
+    assert accumulation is not None and low_rank is not None
+    split, queries, device = low_rank.split, low_rank.queries, job.grad.device
+    matrices, rest = split.views(a)
+    started = clock.now(device)
+    first = torch.empty(split.p_numel + split.rest_numel, dtype=FACTOR_DTYPE, device=device)
+    ps = split.factor_views(first, "p")
+    for m, q, p in zip(matrices, queries, ps):
+        torch.matmul(m, q, out=p)
+    rest_energy = _pack_rest(first[split.p_numel :], rest, n)
+    nan_unless(first, accumulation.finite)
+    second = torch.empty(split.q_numel, dtype=FACTOR_DTYPE, device=device)
+    rec.k = first.numel() + second.numel()
+    rec.bytes_sent = rec.k * first.element_size()
+    launched = clock.now(device)
+    allreduce_sum(first, job.group).wait()
+    reduced = clock.now(device)
+    own_qs = split.factor_views(second, "q")
+    for m, p, q_i in zip(matrices, ps, own_qs):
+        orthonormalize_(p)
+        torch.matmul(m.t(), p, out=q_i)
+        m.addmm_(p, q_i.t(), alpha=-1.0)  # e_i = M_i - P Q_i^T: what this rank's projection left behind
+    job.outcome.gain = _gain(second, rest_energy, accumulation.norm)
+    issued = clock.now(device)
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()
+        done = clock.now(device)
+        used_on_current_stream(first)
+        update = _apply_update(job, first, second)
+        finished = clock.now(device)
+        spans = job.local_spans((started, launched), (reduced, issued), (done, finished))
+        # The second allreduce, timed from its own launch, is the clean network sample.
+        nbytes = second.numel() * second.element_size()
+        report_timings(job, Timings("allreduce", nbytes, exchange=(launched, done), network=(issued, done), compress=spans))
+        return update
+
+    return allreduce_sum(second, job.group).then(finish)
+
+
+def _pack_rest(out: torch.Tensor, rest: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """The parameters sent whole, ``rest_i / N``, into ``out``; they leave the residual.  Returns ``||rest_i||^2``."""
+    energy = out.new_zeros(())
+    offset = 0
+    for piece in rest:
+        energy += piece.square().sum(dtype=FACTOR_DTYPE)
+        out[offset : offset + piece.numel()].copy_(piece).div_(world_size)
+        piece.zero_()
+        offset += piece.numel()
+    return energy
+
+
+def _gain(own_qs: torch.Tensor, rest_energy: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """``||sent part of a_i|| / ||a_i||``: ``||P Q_i^T||^2 = ||Q_i||^2`` (P orthonormal), plus the rest, sent whole."""
+    sent = (own_qs.square().sum() + rest_energy).sqrt()
+    return torch.where(norm == 0, torch.zeros_like(norm), sent / norm)
+
+
+def _apply_update(job: BucketJob, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Write ``P (sum_i Q_i)^T / N`` and ``sum_i rest_i / N`` into the (zeroed) bucket; commit the residual;
+    ``sum_i Q_i`` becomes each matrix's next query if the update is finite (a NaN query would stay NaN)."""
+    low_rank, grad, n = job.low_rank, job.grad, job.world_size
+    assert low_rank is not None
+    split = low_rank.split
+    job.outcome.finite = finite = all_finite(first) & all_finite(second)
+    job.memory.commit(job.index, finite)
+    matrices, rest = split.views(grad)
+    ps, total_qs = split.factor_views(first, "p"), split.factor_views(second, "q")
+    for m, p, total_q, query in zip(matrices, ps, total_qs, low_rank.queries):
+        scaled = total_q.t() / n  # divide the thin factor, not the matrix
+        if m.dtype == FACTOR_DTYPE:
+            torch.mm(p, scaled, out=m)
+        else:
+            m.copy_(torch.mm(p, scaled))
+        query.copy_(torch.where(finite, total_q, query))
+    rest_total, offset = first[split.p_numel :], 0
+    for piece in rest:
+        piece.copy_(rest_total[offset : offset + piece.numel()])
+        offset += piece.numel()
+    return grad

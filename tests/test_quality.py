@@ -26,8 +26,9 @@ def test_steps_factor_is_the_ratio_of_the_kept_energy_fractions() -> None:
 
 def two_sparse_buckets(factor: float) -> list[BucketCosts]:
     """AR-Topk 20% cheaper than AG-Topk in comm on both buckets; AR-Topk's steps factor ``factor``."""
-    return [BucketCosts({"dense": 0.0, "dense16": 0.0, "artopk": 0.001, "agtopk": 0.001},
-                        {"dense": 1.0, "dense16": 1.0, "artopk": 0.008, "agtopk": 0.010}, gap, {"artopk": factor}, size)
+    return [BucketCosts({"dense": 0.0, "dense16": 0.0, "artopk": 0.001, "agtopk": 0.001, "lowrank": 0.0},
+                        {"dense": 1.0, "dense16": 1.0, "artopk": 0.008, "agtopk": 0.010, "lowrank": math.inf}, gap,
+                        {"artopk": factor}, size)
             for gap, size in ((0.005, 3.0), (0.0, 1.0))]
 
 
@@ -81,13 +82,16 @@ def test_the_step_log_keeps_the_settled_gain_squared_through_a_checkpoint() -> N
     log.finished(5, 0, Observation("allreduce", 4, 2, 0.002), 0.0005)
     log.sent(5, 0, 0.5)
     log.sent(4, 0, 0.9)  # another step's gain is not this one's
+    log.measured_quality(5, 0, 0.75)
     restored = StepLog()
     restored.load_state_dict(log.state_dict())
     (sample,) = restored.close()
-    assert sample.kept == 0.25
+    assert sample.kept == 0.25 and sample.quality == 0.75
     assert sample_from_row(sample_row(sample)) == sample
-    # A row saved before the gain was kept loads with an unknown one.
-    assert math.isnan(sample_from_row(sample_row(sample)[:-1]).kept)
+    # Rows saved before the quality (then the gain) were kept load with unknown ones.
+    older = sample_from_row(sample_row(sample)[:-1])
+    assert older.kept == 0.25 and math.isnan(older.quality)
+    assert math.isnan(sample_from_row(sample_row(sample)[:-2]).kept)
 
 
 def local_sample(kept: float) -> LocalSample:

@@ -27,9 +27,9 @@ the error-corrected gradient ``a_i = g_i + e_i`` and exchanges part of it:
                  allreduces; the update is ``P (sum_i Q_i)^T / N``; rank i keeps
                  ``M_i - P Q_i^T`` (see :mod:`flexcomm.compress.lowrank`).
 ``flex``         per bucket, whichever of dense, dense16 (``a_i / N`` allreduced in fp16,
-                 as PyTorch's ``fp16_compress_hook``), agtopk and artopk-star the
+                 as PyTorch's ``fp16_compress_hook``), agtopk, artopk-star and lowrank the
                  alpha-beta model (plus measured local work) predicts makes the step
-                 fastest now; see :mod:`flexcomm.control.planner`.
+                 fastest now for the steps it costs; see :mod:`flexcomm.control.planner`.
 
 ``density="auto"`` lets a :class:`~flexcomm.control.DensityController` move the density
 along the Pareto front of compression gain and step time (see :mod:`flexcomm.control.density`).

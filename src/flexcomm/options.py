@@ -11,7 +11,7 @@ compressor     selector    leader policy   exchange
 ``artopk-star``  ``topk``  ``round-robin``  ``artopk``: broadcast indices, allreduce values
 ``artopk-var``   ``topk``  ``statistic``    ``artopk``
 ``lowrank``    --          --              ``lowrank``: allreduce of rank-r factors (PowerSGD)
-``flex``       ``topk``    ``round-robin``  per bucket by the cost model: ``dense``, ``dense16``, ``agtopk``, ``artopk``
+``flex``       ``topk``    ``round-robin``  per bucket: ``dense``, ``dense16``, ``agtopk``, ``artopk``, ``lowrank``
 =============  ==========  ==============  =========================================
 
 STAR and VAR differ only by the leader policy, MSTopk and AG-Topk only by the selector.
@@ -68,6 +68,7 @@ class FlexOptions:
     max_records: int = 100_000
     dense16: bool = True
     rank: int = DEFAULT_RANK
+    lowrank: bool = True
 
     def __post_init__(self) -> None:
         check_choice("compressor", self.compressor, COMPRESSORS)
@@ -86,8 +87,9 @@ class FlexOptions:
             raise ValueError(f"probe_sizes must be a non-empty sequence of ints >= 4 (bytes), got {sizes!r}")
         object.__setattr__(self, "probe_sizes", tuple(sizes))
         check_fraction("forgetting", self.forgetting, low_open=True, high_open=False)
-        if not isinstance(self.dense16, bool):
-            raise TypeError(f"dense16 must be True or False, got {self.dense16!r}")
+        for name in ("dense16", "lowrank"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def roles(self) -> Compressor:

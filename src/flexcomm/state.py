@@ -37,7 +37,7 @@ from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index
 from flexcomm.compress.fused import Accumulation
 from flexcomm.compress.lowrank import DEFAULT_RANK, LowRankQueries
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
-from flexcomm.compress.stats import to_host
+from flexcomm.compress.stats import QUALITY_SAMPLE, sampled, to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
 from flexcomm.cost import Observation
 from flexcomm.exchange import DENSE_EXCHANGES, BucketJob, LeaderPolicy, make_leader_policy
@@ -86,7 +86,10 @@ class FlexState:
         dense16: ``flex`` may allreduce a bucket of fp32 gradients in fp16 (``dense16``, what
             PyTorch's ``fp16_compress_hook`` sends) where that makes the step fastest; ``False``
             keeps its dense choice in the gradients' own dtype.
-        rank: the rank of ``lowrank``'s factors.
+        rank: the rank of ``lowrank``'s factors (the compressor, and ``flex``'s low-rank choice).
+        lowrank: ``flex`` may send a bucket as rank-``rank`` factors (``lowrank``) where that makes the
+            step fastest for the steps it costs (charged by its measured quality,
+            :func:`flexcomm.control.quality.quality_factor`); ``False`` keeps it to dense and top-k.
     """
 
     def __init__(
@@ -106,10 +109,11 @@ class FlexState:
         max_records: int = 100_000,
         dense16: bool = True,
         rank: int = DEFAULT_RANK,
+        lowrank: bool = True,
     ) -> None:
         self.options = options = FlexOptions(
             compressor, density, warmup_steps, mstopk_rounds, var_statistic, var_smoothing,
-            flex_interval, probe_every, probe_sizes, forgetting, max_records, dense16, rank,
+            flex_interval, probe_every, probe_sizes, forgetting, max_records, dense16, rank, lowrank,
         )
         if density == "auto":
             controller = controller or DensityController()
@@ -121,6 +125,7 @@ class FlexState:
             exchange=roles.exchange, density=None if controller else float(density), controller=controller,
             warmup_steps=warmup_steps, flex_interval=flex_interval, probe_every=probe_every,
             probe_sizes=options.probe_sizes, forgetting=forgetting, group=process_group, dense16=dense16,
+            lowrank=lowrank,
         )
         self.selector = make_selector(roles.selector, mstopk_rounds) if roles.selector else None
         self._exact_top_k = roles.selector == "topk"
@@ -294,7 +299,7 @@ class FlexState:
             self.settle()
             self.planner.begin_step(step)
         numel = grad.numel()
-        plan = self.planner.plan(index, numel, grad.element_size(), step)
+        plan = self.planner.plan(index, numel, grad.element_size(), step, self._factor_size(handed))
         dense = plan.exchange in DENSE_EXCHANGES
         if not dense:
             check_index_range(numel)
@@ -304,11 +309,14 @@ class FlexState:
                     if plan.exchange == "lowrank" else None)
         workspace = self._workspaces.setdefault(index, TopkWorkspace())
         accumulation, span = None, None
+        # flex charges the low-rank exchange by its update's quality, measured on a sample of g / N.
+        sample, sampled_grad = sampled(grad, step, self.world_size) if plan.exchange == "lowrank" and self.planner.estimating \
+            else (None, None)
         if dense:
             accumulated = self.memory.compensate(index, handed.layout, grad)
         else:
             # A rank that selects with the exact top-k selects during the accumulation pass.
-            selects = self._exact_top_k and (plan.exchange != "artopk" or leader == self.rank)
+            selects = self._exact_top_k and (plan.exchange == "agtopk" or leader == self.rank)
             accumulation, span = self._accumulate(handed, k if selects else None, workspace)
             accumulated = accumulation.a
         if self.planner.measuring_gain:
@@ -330,7 +338,14 @@ class FlexState:
             group=self.process_group, world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace,
             record=record, outcome=outcome, measured=self._measured, selector=self.selector, leaders=self.leaders,
             accumulation=accumulation, accumulation_span=span, leader=leader, low_rank=low_rank,
+            sample=sample, sampled_grad=sampled_grad,
         )
+
+    def _factor_size(self, handed: HandedBucket) -> tuple[int, int] | None:
+        """``flex``'s low-rank payload of the bucket (its two allreduces' elements), None where it has no choice of it."""
+        if self.options.roles.exchange is not None or not self.options.lowrank:
+            return None
+        return self.low_rank.payload(handed.index, handed.shapes, min(QUALITY_SAMPLE, handed.grad.numel()))
 
     def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:
         """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work).
@@ -374,7 +389,8 @@ class FlexState:
             conditions = self.memory.pending()
             tensors: list[torch.Tensor] = list(conditions.values())
             fields = [(rec, name, value) for rec, out in unsettled
-                      for name, value in (("gain", out.gain), ("finite", out.finite), ("statistics", out.statistics))
+                      for name, value in (("gain", out.gain), ("quality", out.quality), ("finite", out.finite),
+                                          ("statistics", out.statistics))
                       if value is not None]
             tensors += [value for _, _, value in fields]
             host = to_host(tensors)
@@ -383,6 +399,9 @@ class FlexState:
                 if name == "gain":
                     rec.gain = values[0]
                     self.planner.observe_sent(rec.step, rec.bucket, rec.gain)
+                elif name == "quality":
+                    rec.quality = values[0]
+                    self.planner.observe_quality(rec.step, rec.bucket, rec.quality)
                 elif name == "finite":
                     rec.finite = bool(values[0])
                 elif rec.finite and self.leaders is not None:

@@ -17,8 +17,9 @@ Keys of the newest step (from its :class:`~flexcomm.BucketRecord` list; present 
                                         counted whole (k is at least 1 per bucket).
 ``flexcomm/share_dense``,               fraction of the step's buckets exchanged by dense allreduce,
 ``flexcomm/share_dense16``,             dense allreduce in fp16 (``flex``), AG-Topk (allgather;
-``flexcomm/share_agtopk``,              ``mstopk`` too) and AR-Topk; they sum to 1.
-``flexcomm/share_artopk``
+``flexcomm/share_agtopk``,              ``mstopk`` too), AR-Topk and low-rank factors; they sum to 1.
+``flexcomm/share_artopk``,
+``flexcomm/share_lowrank``
 ``flexcomm/share_explored``             fraction of the step's buckets whose exchange was ``flex``
                                         trying an alternative (exploration), not its plan's choice.
 ``flexcomm/bytes_sent``                 bytes this rank handed to the step's collectives (payload,

@@ -148,6 +148,7 @@ class LowRankQueries:
         self.rank = rank
         self.seed = seed
         self._queries: dict[str, torch.Tensor] = {}
+        self._payloads: dict[int, tuple[Any, tuple[int, int] | None]] = {}  # bucket -> (shapes, extra), payload
 
     def bucket(self, bucket_index: int, layout: Sequence[tuple[str, int]], shapes: Sequence[Sequence[int]],
                device: torch.device, named: bool) -> LowRankBucket:
@@ -167,6 +168,15 @@ class LowRankQueries:
             self._queries[name] = query
             queries.append(query)
         return LowRankBucket(split, queries)
+
+    def payload(self, bucket_index: int, shapes: Sequence[Sequence[int]], extra: int) -> tuple[int, int] | None:
+        """Elements of the bucket's two allreduces (the second with ``extra`` more), None without a matrix to factor."""
+        cached = self._payloads.get(bucket_index)
+        if cached is None or cached[0] != (tuple(map(tuple, shapes)), extra):
+            split = Split.of(shapes, self.rank)
+            size = (split.p_numel + split.rest_numel, split.q_numel + extra) if split.matrices else None
+            cached = self._payloads[bucket_index] = ((tuple(map(tuple, shapes)), extra), size)
+        return cached[1]
 
     def state_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "seed": self.seed, "queries": {name: q.cpu() for name, q in self._queries.items()}}

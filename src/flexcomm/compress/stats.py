@@ -78,3 +78,27 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
         out.append(values[start : start + f.numel()])
         start += f.numel()
     return out
+
+
+#: Coordinates of a bucket on which an update's agreement with the mean gradient is measured.
+QUALITY_SAMPLE = 1024
+
+
+def sample_positions(numel: int, step: int, size: int = QUALITY_SAMPLE) -> slice:
+    """A strided sample of ``min(size, numel)`` positions of a bucket, the same on every rank, moving with ``step``."""
+    stride = max(1, numel // size)
+    start = step % stride
+    return slice(start, start + stride * min(size, numel), stride)
+
+
+def sampled(grad: torch.Tensor, step: int, world_size: int) -> tuple[slice, torch.Tensor]:
+    """The bucket's sample positions at ``step`` and ``g / N`` there, in fp32 (a copy: the accumulation pass zeroes ``grad``)."""
+    positions = sample_positions(grad.numel(), step)
+    return positions, grad[positions].to(torch.float32, copy=True).div_(world_size)
+
+
+def cosine(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``<u, v> / (||u|| ||v||)`` in fp32 as a 0-d tensor: 0 if either is all zero, NaN if either is not finite."""
+    u, v = u.float(), v.float()
+    norms = torch.linalg.vector_norm(u) * torch.linalg.vector_norm(v)
+    return torch.where(norms == 0, torch.zeros_like(norms), (u * v).sum() / norms)

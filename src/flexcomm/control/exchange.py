@@ -7,45 +7,33 @@ descent from the current plan (one bucket's exchange changes at a time, only for
 ``hysteresis``).  The steps factor charges AR-Topk for sending the followers' values at the
 leader's indices rather than their own top-k (:mod:`flexcomm.control.quality`), measured per
 bucket from the agreed energy fractions sent: at one density AR-Topk is taken only where it
-saves more time than the extra steps it costs.
+saves more time than the extra steps it costs.  The low-rank exchange pays ``1 / quality``, its
+measured cosine to the mean gradient; it is a choice at every density (at 1.0 it stands for
+dense where dense's bytes cost more than its extra steps), for buckets with a matrix to factor.
 
 ``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` (EWMA of measured /
-modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).
-The estimator refits (alpha, beta) at every agreement point.  A pair measured since the
-previous refit has its ``kappa`` rebased to the new parameters at the density it was
-measured at: it keeps its calibrated prediction whatever the refit does, and the model only
-carries it to other densities.  (Without the rebase a ratio taken against the old fit was
-applied to the new one: dense at 1 Gbit was predicted at 124 ms while it measured 220 ms
-step after step.)  A pair not measured since is not rebased: its prediction follows the
-model, so a link that changed moves the exchanges flex is not using.  (Rebasing those too
-kept dense at its 1 Gbit time after a drop to 20 Mbit, and flex chose it: 4 s steps.)
+modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).  At
+every agreement point the estimator refits (alpha, beta); a pair measured since the previous
+refit has its ``kappa`` rebased so that its prediction at the density it was measured at stays
+what it measured (without: dense at 1 Gbit predicted 124 ms while it measured 220 ms), the
+others follow the model, so a link that changed moves the exchanges flex is not using
+(rebasing those too kept dense at its 1 Gbit time after a drop to 20 Mbit: 4 s steps).
 
-``block`` of an unmeasured sparse pair comes from the measured seconds per element of sparse
-exchanges (0 before any: optimistic, so a sparse choice gets tried and measured); of an
-unmeasured dense16 pair it is 0 for the same reason.  An exchange that cannot help a bucket
-costs infinity: sparse ones at density 1 (every index would only add bytes), dense16 for
-16-bit gradients or when disabled.
+``block`` of an unmeasured sparse pair scales the measured seconds per element of sparse
+exchanges; unmeasured dense16 and low-rank pairs, and sparse ones before any measurement,
+block 0 (optimistic: they get tried).  An exchange that cannot help a bucket costs infinity.
+Measurements are plain EWMAs: the plan's own pairs follow a change within one interval, single
+slow samples (frequent on a busy CPU) do not flip it.
 
-The per-exchange samples are plain EWMAs: the plan's own pairs are measured every step, so
-they follow a change within one agreement interval, and single slow samples (frequent on a
-busy CPU) do not flip it.
-
-Trial before adoption: a pair measured before the last agreement interval whose prediction the
-refitted model now puts more than ``TRUST_DRIFT`` times below what it last measured is not
-adopted by a new plan on the model's word: the bucket keeps its exchange and tries that one
-first at its next exploration (one bucket, one step); measured again, it is adopted or not on
-the measurement.  The model's fit is noisy where one message size dominates its samples (an
-allreduce fit once dropped to beta = 0 and rated dense at 100 Mbit at 2 ms), and a plan taken
-on such a prediction ran whole intervals of dense steps at 10-20x the sparse step.  A drift
-upwards (a slower link) is followed at once: it only makes a pair look worse.
-
-Exploration (:mod:`flexcomm.control.exploration`): every ``explore_every`` steps, backed off
-up to 4x while the explorations keep confirming the plan, one bucket tries an alternative the
-model rates within ``explore_margin`` of the plan.
-
-The guard (:mod:`flexcomm.control.guard`): when whole all-dense steps measured faster than
-the plan's, the plan is all-dense; every ``guard_every`` steps a short trial keeps both measured.
-All-dense means dense16 where flex may send it on every bucket, else fp32.
+Trial before adoption: a pair measured before the last interval that the refitted model now
+rates ``TRUST_DRIFT`` times below its last measurement is not adopted on the model's word; the
+bucket tries it first at its next exploration (a fit dominated by one message size once rated
+dense at 100 Mbit at 2 ms, and whole intervals of dense ran at 10-20x the sparse step).
+Explorations (:mod:`flexcomm.control.exploration`: every ``explore_every`` steps, backed off up
+to 4x while they confirm the plan, one bucket tries an alternative rated within
+``explore_margin``) and the guard's trials (:mod:`flexcomm.control.guard`: all-dense steps
+measured faster than the plan's make the plan all-dense, dense16 where allowed) rate a pair at
+no less than it last measured (:func:`~flexcomm.control.exploration.at_least_measured`).
 
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """
@@ -57,11 +45,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flexcomm.control.exploration import backed_off, exploration
+from flexcomm.control.exploration import at_least_measured, backed_off, exploration
 from flexcomm.control.guard import arm_exchange, guard_trial, smoothed_periods
-from flexcomm.control.quality import steps_factor
-from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, best_plan, simulate_step
-from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, predict_exchange_times
+from flexcomm.control.quality import quality_factor, steps_factor
+from flexcomm.control.step_model import EXCHANGE_ORDER, LOW_RANK, SPARSE, BucketCosts, best_plan, simulate_step
+from flexcomm.control.tables import own_or_mean, pairs, unpairs
+from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, lowrank_time, predict_exchange_times
 
 #: A measured pair the model now rates this many times faster than it last measured is tried before a plan adopts it.
 TRUST_DRIFT = 1.5
@@ -90,6 +79,8 @@ class StepSample:
     #: Smallest and largest energy fraction sent over ranks (NaN: unknown); see :mod:`flexcomm.control.quality`.
     kept_min: float = math.nan
     kept_max: float = math.nan
+    #: ``cos(update, mean gradient)`` on a sample, the same on every rank (NaN: not measured).
+    quality: float = math.nan
 
 
 class ExchangeChooser:
@@ -104,10 +95,12 @@ class ExchangeChooser:
             this fraction of the plan's step.
         guard_every: steps between the guard's trials (0: no guard; see :meth:`replan`).
         dense16: whether ``dense16`` (the bucket allreduced in fp16) is among the choices.
+        lowrank: whether ``lowrank`` (rank-r factors, two allreduces) is among the choices.
     """
 
     def __init__(self, estimator: CostEstimator | None = None, smoothing: float = 0.7, hysteresis: float = 0.05,
-                 explore_every: int = 10, explore_margin: float = 0.5, guard_every: int = 25, dense16: bool = True) -> None:
+                 explore_every: int = 10, explore_margin: float = 0.5, guard_every: int = 25, dense16: bool = True,
+                 lowrank: bool = True) -> None:
         self.estimator = estimator or CostEstimator()
         self.params: CostParams = self.estimator.params
         self.smoothing = smoothing
@@ -116,8 +109,11 @@ class ExchangeChooser:
         self.explore_margin = explore_margin
         self.guard_every = guard_every
         self.dense16 = dense16
+        self.lowrank = lowrank
         #: bucket -> (numel, value bytes) of the buckets of the current layout.
         self.sizes: dict[int, tuple[int, int]] = {}
+        #: bucket -> elements of the low-rank exchange's two allreduces (absent: nothing to factor).
+        self.factor_sizes: dict[int, tuple[int, int]] = {}
         self.plan: dict[int, str] = {}
         #: The density :attr:`plan` was made for (a plan for another density must not run).
         self.plan_density: float | None = None
@@ -145,11 +141,14 @@ class ExchangeChooser:
         self._explore_scale = 1
         # Steps factor of AR-Topk pairs (EWMA): the followers send less than their own top-k.
         self._factor: dict[tuple[int, str], float] = {}
+        # cos(update, mean gradient) of low-rank pairs (EWMA): their steps factor.
+        self._quality: dict[tuple[int, str], float] = {}
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
         return {"smoothing": self.smoothing, "hysteresis": self.hysteresis, "explore_every": self.explore_every,
-                "explore_margin": self.explore_margin, "guard_every": self.guard_every, "dense16": self.dense16}
+                "explore_margin": self.explore_margin, "guard_every": self.guard_every, "dense16": self.dense16,
+                "lowrank": self.lowrank}
 
     @property
     def order(self) -> list[int]:
@@ -168,9 +167,8 @@ class ExchangeChooser:
             bucket, exchange = key
             if bucket not in self.sizes or key not in self._fresh:
                 continue
-            numel, vb = self.sizes[bucket]
-            before = predict_exchange_times(numel, density, world, self.params, vb)[exchange]
-            after = predict_exchange_times(numel, density, world, params, vb)[exchange]
+            before = self._modelled(bucket, density, world, self.params)[exchange]
+            after = self._modelled(bucket, density, world, params)[exchange]
             if before > 0.0 and after > 0.0:
                 self._kappa[key] *= before / after
                 self._anchor[key] = self._kappa[key] * after
@@ -182,9 +180,8 @@ class ExchangeChooser:
     def observe(self, step: int, samples: Sequence[StepSample], world: int) -> None:
         """Fold one step's agreed samples in (same order on every rank)."""
         for s in samples:
-            numel, vb = self.sizes[s.bucket]
             key = (s.bucket, s.exchange)
-            model = predict_exchange_times(numel, s.density, world, self.params, vb)[s.exchange]
+            model = self._modelled(s.bucket, s.density, world, self.params)[s.exchange]
             self._smooth(self._kappa, key, s.comm / model if model > 0 else 1.0)
             self._kappa_at[key] = (s.density, world)
             self._smooth(self._block, key, s.block)
@@ -196,39 +193,54 @@ class ExchangeChooser:
             factor = steps_factor(s.kept_min, s.kept_max) if s.exchange == "artopk" else None
             if factor is not None:
                 self._smooth(self._factor, key, factor)
+            if s.exchange == LOW_RANK and math.isfinite(s.quality):
+                self._smooth(self._quality, key, s.quality)
 
     def _smooth(self, table: dict, key: Any, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else self.smoothing * old + (1.0 - self.smoothing) * value
 
     # -- predictions ----------------------------------------------------------------------
+    def _modelled(self, bucket: int, density: float, world: int, params: CostParams) -> dict[str, float]:
+        """The alpha-beta model's comm seconds of every exchange of ``bucket`` (uncalibrated)."""
+        numel, vb = self.sizes[bucket]
+        modelled: dict[str, float] = dict(predict_exchange_times(numel, density, world, params, vb))
+        payload = self.factor_sizes.get(bucket)
+        modelled[LOW_RANK] = lowrank_time(*payload, world, params) if payload else math.inf
+        return modelled
+
     def costs(self, bucket: int, density: float, world: int) -> BucketCosts:
         """Predicted blocking and comm seconds of every exchange of ``bucket`` at ``density``."""
         numel, vb = self.sizes[bucket]
-        modelled = predict_exchange_times(numel, density, world, self.params, vb)
-        comm = {e: self._kappa_for(bucket, e) * modelled[e] if self._usable(e, vb, density) else math.inf
+        modelled = self._modelled(bucket, density, world, self.params)
+        comm = {e: self._kappa_for(bucket, e) * modelled[e] if self._usable(bucket, e, vb, density) else math.inf
                 for e in EXCHANGE_ORDER}
         block = {e: self._block_for(bucket, e, numel) for e in EXCHANGE_ORDER}
-        return BucketCosts(block, comm, self._gap.get(bucket, 0.0), {"artopk": self._factor_for(bucket)}, float(numel))
+        factors = {"artopk": self._factor_for(bucket), LOW_RANK: quality_factor(own_or_mean(self._quality, bucket, LOW_RANK))}
+        return BucketCosts(block, comm, self._gap.get(bucket, 0.0), factors, float(numel))
 
     def step_costs(self, density: float, world: int) -> list[BucketCosts]:
         return [self.costs(b, density, world) for b in self.order]
 
-    def _usable(self, exchange: str, value_bytes: int, density: float) -> bool:
+    def _usable(self, bucket: int, exchange: str, value_bytes: int, density: float) -> bool:
         """Whether ``exchange`` can help: sparse ones below density 1 (sending every index only adds bytes),
-        ``dense16`` when enabled and the gradient is wider than 16 bits.  An unusable one costs inf."""
+        ``dense16`` when enabled and the gradient is wider than 16 bits, ``lowrank`` when enabled and the
+        bucket has a matrix to factor, at any density: charged by its measured quality, it stands for dense
+        where dense costs more than the steps it saves.  An unusable one costs inf."""
         if exchange in SPARSE:
             return density < 1.0
+        if exchange == LOW_RANK:
+            return self.lowrank and bucket in self.factor_sizes
         if exchange == "dense16":
             return self.dense16 and value_bytes > HALF_BYTES
         return True
 
     def _kappa_for(self, bucket: int, exchange: str) -> float:
-        return _own_or_mean(self._kappa, bucket, exchange)
+        return own_or_mean(self._kappa, bucket, exchange)
 
     def _factor_for(self, bucket: int) -> float:
         """AR-Topk's steps factor on ``bucket`` (1 until measured anywhere: it gets tried)."""
-        return _own_or_mean(self._factor, bucket, "artopk")
+        return own_or_mean(self._factor, bucket, "artopk")
 
     def _block_for(self, bucket: int, exchange: str, numel: int) -> float:
         if exchange not in SPARSE:
@@ -275,8 +287,7 @@ class ExchangeChooser:
         if anchor is None or key in self._recent or not self.explore_every:  # no explorations: nothing to try it with
             return False
         density, measured_world = self._kappa_at[key]
-        numel, vb = self.sizes[bucket]
-        now = self._kappa_for(bucket, exchange) * predict_exchange_times(numel, density, measured_world, self.params, vb)[exchange]
+        now = self._kappa_for(bucket, exchange) * self._modelled(bucket, density, measured_world, self.params)[exchange]
         return now * TRUST_DRIFT < anchor
 
     def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
@@ -308,7 +319,7 @@ class ExchangeChooser:
         if bucket not in self.plan:
             return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
         trial = guard_trial(step, self.guard_every, self.plan, self._simulated_plan, self._guard_plan(),
-                            lambda: self.step_costs(density, world))
+                            lambda: self._trial_costs(density, world))
         if trial is not None:
             return trial[bucket]
         explored = self._exploration(step, density, world)
@@ -317,19 +328,33 @@ class ExchangeChooser:
             return explored[1]
         return self.plan[bucket]
 
-    def choice(self, bucket: int, numel: int, density: float, world: int, value_bytes: int, step: int) -> Choice:
-        """:meth:`choose` for a bucket of ``numel`` elements, with every exchange's predicted seconds."""
-        self.sizes[bucket] = (numel, value_bytes)
+    def choice(self, bucket: int, numel: int, density: float, world: int, value_bytes: int, step: int,
+               factor_size: tuple[int, int] | None = None) -> Choice:
+        """:meth:`choose` for a bucket of ``numel`` elements (``factor_size``: its low-rank payload), with every
+        exchange's predicted seconds."""
+        self.note_sizes(bucket, numel, value_bytes, factor_size)
         costs = self.costs(bucket, density, world)
         exchange = self.choose(bucket, step, density, world)
         return Choice(exchange, {e: costs.total(e) for e in EXCHANGE_ORDER}, self._explored == (step, bucket))
+
+    def note_sizes(self, bucket: int, numel: int, value_bytes: int, factor_size: tuple[int, int] | None) -> None:
+        """What the model needs of a bucket: its elements, their bytes, its low-rank payload (None: none)."""
+        self.sizes[bucket] = (numel, value_bytes)
+        if factor_size is None:
+            self.factor_sizes.pop(bucket, None)
+        else:
+            self.factor_sizes[bucket] = factor_size
 
     def _exploration(self, step: int, density: float, world: int) -> tuple[int, str] | None:
         every = self.explore_every * self._explore_scale
         if not every or step % every or len(self.plan) != len(self.order):
             return None
         return exploration(step, every, self.explore_margin, self.order, self.plan, self._wanted,
-                           self.step_costs(density, world), self._measured_at)
+                           self._trial_costs(density, world), self._measured_at)
+
+    def _trial_costs(self, density: float, world: int) -> list[BucketCosts]:
+        """The costs explorations and guard trials are rated by (see :func:`at_least_measured`)."""
+        return at_least_measured(self.step_costs(density, world), self.order, self._anchor, self._kappa_at, density, world)
 
     def predicted(self, bucket: int, exchange: str, density: float, world: int) -> float:
         """Predicted blocking + comm seconds of one bucket exchange (what the records compare with)."""
@@ -349,6 +374,7 @@ class ExchangeChooser:
             return simulate_step(costs, [exchange] * len(costs))
         return simulate_step(costs, best_plan(costs, self._start(costs, self.plan), 0.0))
 
+
     def plan_seconds(self, world: int) -> float:
         """The simulated step of the plan in force, at its density, under the model as it stands (NaN without one)."""
         if self.plan_density is None or not self.order or set(self.plan) != set(self.order):
@@ -358,13 +384,14 @@ class ExchangeChooser:
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
-                "plan": dict(self.plan), "plan_density": self.plan_density, "block": _pairs(self._block), "kappa": _pairs(self._kappa),
-                "kappa_at": _pairs(self._kappa_at), "gap": dict(self._gap),
-                "measured_at": _pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
+                "plan": dict(self.plan), "plan_density": self.plan_density, "block": pairs(self._block), "kappa": pairs(self._kappa),
+                "kappa_at": pairs(self._kappa_at), "gap": dict(self._gap),
+                "measured_at": pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
                 "measured_steps": dict(self.measured_steps),
-                "simulated_plan": dict(self._simulated_plan), "anchor": _pairs(self._anchor),
+                "simulated_plan": dict(self._simulated_plan), "anchor": pairs(self._anchor),
                 "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted),
-                "factor": _pairs(self._factor), "explore_scale": self._explore_scale,
+                "factor": pairs(self._factor), "quality": pairs(self._quality),
+                "factor_sizes": {b: list(s) for b, s in self.factor_sizes.items()}, "explore_scale": self._explore_scale,
                 "explored": None if self._explored is None else list(self._explored),
                 "exploration_seen": self._exploration_seen}
 
@@ -374,37 +401,24 @@ class ExchangeChooser:
         self.sizes = {int(b): (int(n), int(v)) for b, (n, v) in state["sizes"].items()}
         self.plan = {int(b): str(e) for b, e in state["plan"].items()}
         self.plan_density = state["plan_density"]
-        self._block, self._kappa = _unpairs(state["block"]), _unpairs(state["kappa"])
-        self._kappa_at = {key: (float(d), int(w)) for key, (d, w) in _unpairs(state.get("kappa_at", [])).items()}
+        self._block, self._kappa = unpairs(state["block"]), unpairs(state["kappa"])
+        self._kappa_at = {key: (float(d), int(w)) for key, (d, w) in unpairs(state.get("kappa_at", [])).items()}
         self._gap = {int(b): float(g) for b, g in state["gap"].items()}
-        self._measured_at = _unpairs(state["measured_at"])
+        self._measured_at = unpairs(state["measured_at"])
         self._fresh = {(int(b), str(e)) for b, e in state.get("fresh", [])}
         self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}
         self._simulated_plan = {int(b): str(e) for b, e in state["simulated_plan"].items()}
         # Absent from states saved before trials before adoption: nothing waits for a trial.
-        self._anchor = {key: float(v) for key, v in _unpairs(state.get("anchor", [])).items()}
+        self._anchor = {key: float(v) for key, v in unpairs(state.get("anchor", [])).items()}
         self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
-        self._factor = {key: float(v) for key, v in _unpairs(state.get("factor", [])).items()}
+        self._factor = {key: float(v) for key, v in unpairs(state.get("factor", [])).items()}
+        # Absent from states saved before the low-rank exchange.
+        self._quality = {key: float(v) for key, v in unpairs(state.get("quality", [])).items()}
+        self.factor_sizes = {int(b): (int(p), int(q)) for b, (p, q) in state.get("factor_sizes", {}).items()}
         # Absent from states saved before the back-off: explorations every explore_every steps.
         self._explore_scale = int(state.get("explore_scale", 1))
         explored = state.get("explored")
         self._explored = None if explored is None else (int(explored[0]), int(explored[1]))
         self._exploration_seen = bool(state.get("exploration_seen", False))
 
-
-def _own_or_mean(table: dict[tuple[int, str], float], bucket: int, exchange: str) -> float:
-    """``table[bucket, exchange]``; for an unmeasured pair the mean over the exchange's other buckets, else 1."""
-    own = table.get((bucket, exchange))
-    if own is not None:
-        return own
-    others = [v for (_, e), v in sorted(table.items()) if e == exchange]
-    return sum(others) / len(others) if others else 1.0
-
-
-def _pairs(table: dict[tuple[int, str], Any]) -> list[list[Any]]:
-    return [[b, e, v] for (b, e), v in sorted(table.items())]
-
-
-def _unpairs(rows: list[list[Any]]) -> dict[tuple[int, str], Any]:
-    return {(int(b), str(e)): v for b, e, v in rows}

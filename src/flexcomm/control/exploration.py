@@ -25,8 +25,9 @@ flex 0.01's training time, 3.1% of flex + auto's (its density switches reset the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
-from flexcomm.control.step_model import EXCHANGE_ORDER, BucketCosts, plan_cost
+from flexcomm.control.step_model import EXCHANGE_ORDER, SPARSE, BucketCosts, plan_cost
 
 #: The largest factor the exploration interval backs off to on a plan that keeps being confirmed.
 MAX_BACKOFF = 4
@@ -63,3 +64,27 @@ def backed_off(scale: int, plan_changed: bool, waiting: bool, confirmed: bool) -
     if plan_changed or waiting:
         return 1
     return min(2 * scale, MAX_BACKOFF) if confirmed else scale
+
+
+
+def at_least_measured(costs: Sequence[BucketCosts], order: Sequence[int], last_measured: Mapping[tuple[int, str], float],
+                      measured_at: Mapping[tuple[int, str], tuple[float, int]], density: float, world: int) -> list[BucketCosts]:
+    """``costs`` (in ``order``) where a pair costs at least ``last_measured`` -- if measured at this world size
+    and, for a sparse exchange, at this density (``measured_at``: its (density, world)).
+
+    What explorations and the guard's trials are rated by.  The fit follows the small messages a
+    compressed plan sends (a shaped link lets them through its burst faster than its rate) and can
+    rate dense cheap again after it measured 20x the plan's step: with a low-rank plan of 20 ms
+    steps at 20 Mbit, one 450-720 ms dense exploration every ~40 steps and 3-step dense16 guard
+    trials of 550 ms.  A pair the model rates far below its measurement is still tried once, as
+    the plan's wanted trial (:data:`flexcomm.control.exchange.TRUST_DRIFT`).
+    """
+    adjusted = []
+    for bucket, bucket_costs in zip(order, costs):
+        comm = dict(bucket_costs.comm)
+        for exchange in comm:
+            seconds, at = last_measured.get((bucket, exchange)), measured_at.get((bucket, exchange))
+            if seconds is not None and at is not None and at[1] == world and (exchange not in SPARSE or at[0] == density):
+                comm[exchange] = max(comm[exchange], seconds)
+        adjusted.append(replace(bucket_costs, comm=comm))
+    return adjusted

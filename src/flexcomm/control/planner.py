@@ -7,7 +7,7 @@ every rank in the same order:
                             finished step is closed, a due probe runs, and at an
                             agreement point the agreed values are read and the
                             decisions taken (exchange plan, density);
-``plan(bucket, numel, value_bytes, step) -> Plan``
+``plan(bucket, numel, value_bytes, step, factor_size) -> Plan``
                             the exchange, density and predicted time of one bucket;
 ``measuring_gain`` / ``observe_gain(bucket, a, workspace)``
                             the gain curve of ``density="auto"`` at measurement steps;
@@ -26,16 +26,13 @@ Every decision is a deterministic function of the step counter and of values eve
 received in the same collective, so every rank decides alike:
 
 * ``flex``: the :class:`~flexcomm.control.exchange.ExchangeChooser` plans, per bucket, the
-  exchange (dense, dense16, AG-Topk or AR-Topk) that makes the whole step fastest: blocking local
-  work, collectives queued on the group, what hides behind the rest of backward (see its
-  module).  Its inputs: (alpha, beta) estimated online from a probe of a few message sizes
-  at start and every ``probe_every`` steps and from the collectives' own times, and each
-  bucket exchange's agreed measurements (:mod:`flexcomm.control.step_log`), all agreed
-  across ranks every ``flex_interval`` steps (and at steps 1, 2, 4, ... before the first
-  of them, so the model is calibrated early) over the steps up to two before the agreement
-  point (the step just before is still exchanging when the agreement is issued); the plan
-  changes only then, and one bucket every few steps tries an alternative the model rates
-  close (exploration by step counter).
+  exchange (dense, dense16, AG-Topk, AR-Topk or low-rank) that makes the whole step fastest for
+  the steps it costs (:mod:`flexcomm.control.quality`).  Its inputs: (alpha, beta) fitted to
+  probes (at start and every ``probe_every`` steps) and to the collectives' own times (those at
+  least as large as the smallest probe), and each bucket exchange's measurements
+  (:mod:`flexcomm.control.step_log`), agreed every ``flex_interval`` steps (and at steps 1, 2,
+  4, ... before) over the steps up to two before the agreement point; the plan changes only
+  then, and one bucket every few steps tries an alternative (exploration by step counter).
 * ``density="auto"``: the :class:`~flexcomm.control.density.DensityController` decides once
   per agreement point, never between them, on the gains and times agreed there.  The gain
   curve (one top-k pass per bucket over the candidates, summed over buckets and ranks by one
@@ -48,7 +45,7 @@ received in the same collective, so every rank decides alike:
   step that probed, step 0 among them: it also ran the probes and one-time set-up).
   Whenever the density changes the exchange plan is made again for it.
 * the first ``warmup_steps`` steps, and density 1.0 under ``auto`` with a fixed
-  compressor, are dense (fp32); ``flex`` at density 1.0 plans between dense and dense16.
+  compressor, are dense (fp32); ``flex`` at density 1.0 plans between dense, dense16 and low-rank.
 
 Collectives: whether the measurement allreduce runs, and its length, follow from the step
 counter and the exchanges every rank planned, never from rank-local samples
@@ -114,6 +111,7 @@ class StepPlanner:
             (see :class:`flexcomm.FlexState`).
         group: the process group the agreement collectives run on.
         dense16: whether ``flex`` may allreduce a bucket in fp16 (see :class:`flexcomm.FlexState`).
+        lowrank: whether ``flex`` may send a bucket's low-rank factors (see :class:`flexcomm.FlexState`).
     """
 
     def __init__(
@@ -128,6 +126,7 @@ class StepPlanner:
         forgetting: float,
         group: dist.ProcessGroup | None,
         dense16: bool = True,
+        lowrank: bool = True,
     ) -> None:
         self.exchange = exchange
         self.controller = controller
@@ -137,7 +136,7 @@ class StepPlanner:
         self.probe_every = probe_every
         self.probe_sizes = tuple(probe_sizes)
         self.group = group
-        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting), dense16=dense16)
+        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting), dense16=dense16, lowrank=lowrank)
         self._log = StepLog()
         # Local samples and the (step, bucket) every rank planned, since the last agreement point.
         self._pending: list[LocalSample] = []
@@ -251,8 +250,9 @@ class StepPlanner:
         the uncalibrated model decides only the first step, not the first ``flex_interval``."""
         return step % self.flex_interval == 0 or (step < self.flex_interval and step & (step - 1) == 0)
 
-    def plan(self, bucket_index: int, numel: int, value_bytes: int, step: int) -> Plan:
-        """How this bucket is exchanged at ``step``."""
+    def plan(self, bucket_index: int, numel: int, value_bytes: int, step: int,
+             factor_size: tuple[int, int] | None = None) -> Plan:
+        """How this bucket is exchanged at ``step`` (``factor_size``: its low-rank payload, for ``flex``)."""
         density = self.density
         world = self.world_size
         explored = False
@@ -263,7 +263,7 @@ class StepPlanner:
         elif self.exchange is not None:
             exchange = self.exchange
         else:
-            choice = self.chooser.choice(bucket_index, numel, density, world, value_bytes, step)
+            choice = self.chooser.choice(bucket_index, numel, density, world, value_bytes, step, factor_size)
             exchange, explored = choice.exchange, choice.explored
             if explored:
                 self._explored_step = step
@@ -289,6 +289,11 @@ class StepPlanner:
         """Note a settled exchange's gain ``||sent|| / ||accumulated||`` on this rank (what the steps factor needs)."""
         if self.estimating:
             self._log.sent(step, bucket_index, gain)
+
+    def observe_quality(self, step: int, bucket_index: int, quality: float) -> None:
+        """Note a settled exchange's ``cos(update, mean gradient)`` (the same on every rank)."""
+        if self.estimating:
+            self._log.measured_quality(step, bucket_index, quality)
 
     def _observe_gains(self, step: int, energy: Sequence[float]) -> None:
         """The gain curve measured at the previous step, summed over ranks."""
@@ -345,8 +350,13 @@ class StepPlanner:
             return
         last = agreed[-1].sample.step
         self.chooser.observe_steps(last, dense_period or None, other_period or None)
-        # The collectives' own times are clean network samples (the raw ones counted queueing).
-        self.chooser.estimator.observe_all(a.sample.observation._replace(seconds=a.service) for a in agreed)
+        # The collectives' own times are clean network samples (the raw ones counted queueing).  Those
+        # smaller than the smallest probe are left to the per-pair calibration: a shaped link lets a
+        # burst through faster than its rate, and a plan of small messages (low-rank factors, 20-33 KB
+        # on the MLP) fitted 20 Mbit/s as several Gbit/s, rating dense cheap again and again.
+        smallest = min(self.probe_sizes)
+        self.chooser.estimator.observe_all(a.sample.observation._replace(seconds=a.service) for a in agreed
+                                           if a.sample.observation.nbytes >= smallest)
         self.chooser.sizes = {a.sample.bucket: (a.sample.numel, a.sample.value_bytes) for a in agreed
                               if a.sample.step == last}
         for step in sorted({a.sample.step for a in agreed}):
@@ -406,5 +416,5 @@ class StepPlanner:
 
 def _step_sample(a: AgreedSample) -> StepSample:
     s = a.sample
-    return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap, a.kept_min, a.kept_max)
+    return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap, a.kept_min, a.kept_max, s.quality)
 

@@ -1,4 +1,4 @@
-"""What a sparse exchange delivers: the extra steps it costs, relative to each rank's own top-k.
+"""What a compressed exchange delivers: the extra steps it costs (AR-Topk against each rank's own top-k, low-rank against dense).
 
 At one density the sparse exchanges send different things.  AG-Topk sends each rank's own
 top-k of its accumulated gradient; AR-Topk sends every rank's values at *one* rank's indices,
@@ -45,3 +45,23 @@ def steps_factor(sent: float, own: float) -> float | None:
     if not all(math.isfinite(v) and v > 0.0 for v in (sent, own)):
         return None
     return max(1.0, own / sent)
+
+
+#: The lowest quality a factor is computed from (a cosine near 0 would make the factor unbounded).
+MIN_QUALITY = 0.05
+
+
+def quality_factor(quality: float) -> float:
+    """The low-rank exchange's steps factor, ``1 / cos(update, mean gradient)``, at least 1.
+
+    Measured (``benchmarks/quality_signal.py``, 5 seeds, MLP, 2 simulated workers): relative to
+    dense, top-k needed ``1 / cos^1.1-1.2`` the steps (AG-Topk 0.1: cos 0.82, 1.25x; 0.03: 0.65,
+    1.67x; 0.01: 0.48, 2.34x) and low-rank r4 fewer than that (0.80, 1.17x), where the energy
+    fraction sent (0.146 for r4) would have charged it like top-k at a density near 0.02.  The
+    factor is relative to dense, so against AG-Topk (factor 1 here) the low-rank exchange is
+    charged conservatively.  1 before the first measurement (a quality of 1): it gets tried.
+    """
+    if not math.isfinite(quality):
+        return 1.0
+    return 1.0 / min(1.0, max(MIN_QUALITY, quality))
+

@@ -17,12 +17,15 @@ step's first bucket (no exchange in flight) :meth:`StepLog.close` turns that int
 * ``gap``: the backward compute after the bucket's hook call until the next bucket's,
   ``entered[next] - entered[b] - block[b]`` (0 for the step's last bucket);
 * ``kept``: ``gain^2``, the energy fraction of its accumulated gradient this rank sent (NaN
-  until the step's outcomes are settled, and for dense exchanges).
+  until the step's outcomes are settled, and for dense exchanges);
+* ``quality``: ``cos(update, mean gradient)`` on a shared sample of coordinates (NaN where not
+  measured: only the low-rank exchange measures it).
 
 Local samples differ across ranks; the planner agrees on them (min of ``service`` and
 ``gap`` -- the rank that arrived last waited for nobody, the leader of an AR-Topk exchange
 did not wait for its own selection -- max of ``block``, which every rank waits for; min and
-max of ``kept``).
+max of ``kept``).  ``quality`` needs no agreement: every rank computes it from the same
+allreduced values.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class LocalSample:
     gap: float
     predicted: float
     kept: float = math.nan
+    quality: float = math.nan
 
 
 @dataclass
@@ -67,6 +71,7 @@ class _Entry:
     block: float = 0.0
     done: float = 0.0
     kept: float = math.nan
+    quality: float = math.nan
 
 
 class StepLog:
@@ -95,6 +100,12 @@ class StepLog:
         if entry is not None:
             entry.kept = gain * gain
 
+    def measured_quality(self, step: int, bucket: int, quality: float) -> None:
+        """A bucket's settled ``cos(update, mean gradient)`` on a sample (the same value on every rank)."""
+        entry = self._entries.get(bucket) if self._step == step else None
+        if entry is not None:
+            entry.quality = quality
+
     def keys(self) -> list[tuple[int, int]]:
         """``(step, bucket)`` of every exchange entered this step: the same list on every rank."""
         return sorted((self._step, b) for b in self._entries) if self._step is not None else []
@@ -104,7 +115,7 @@ class StepLog:
         now = perf_counter()
         return {"step": self._step, "entries": [
             [e.bucket, e.exchange, e.density, e.numel, e.value_bytes, e.predicted, now - e.entered,
-             None if e.observation is None else list(e.observation), e.block, now - e.done, e.kept]
+             None if e.observation is None else list(e.observation), e.block, now - e.done, e.kept, e.quality]
             for e in self._entries.values()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -112,10 +123,10 @@ class StepLog:
         self._step = state["step"]
         self._entries = {}
         for row in state["entries"]:
-            bucket, exchange, density, numel, vb, predicted, entered, observation, block, done, *kept = row
+            bucket, exchange, density, numel, vb, predicted, entered, observation, block, done, *measured = row
             self._entries[bucket] = _Entry(bucket, exchange, density, numel, vb, predicted, now - entered,
                                            None if observation is None else Observation(*observation), block, now - done,
-                                           *kept)  # absent from states saved before the gain was kept
+                                           *measured)  # absent from states saved before they were kept
 
     def close(self) -> list[LocalSample]:
         """The finished step's samples, in hook order; the log starts over."""
@@ -128,7 +139,7 @@ class StepLog:
         for e, following in zip(entries, entries[1:] + [None]):
             gap = 0.0 if following is None else max(0.0, following.entered - e.entered - e.block)
             samples.append(LocalSample(step, e.bucket, e.exchange, e.density, e.numel, e.value_bytes, e.observation,
-                                       e.block, service[e.bucket], gap, e.predicted, e.kept))
+                                       e.block, service[e.bucket], gap, e.predicted, e.kept, e.quality))
         return samples
 
 

@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 
 from flexcomm.cost import DENSE_EXCHANGES, EXCHANGES
 
-#: Every exchange, in the cost model's tie-break order: on an equal step the earlier wins.
-EXCHANGE_ORDER = EXCHANGES
-#: The exchanges that select k elements (the others send the whole bucket).
+#: The low-rank exchange: its cost follows the bucket's matrices, not a density.
+LOW_RANK = "lowrank"
+#: Every exchange, in the cost model's tie-break order (low-rank last): on an equal step the earlier wins.
+EXCHANGE_ORDER: tuple[str, ...] = (*EXCHANGES, LOW_RANK)
+#: The exchanges that select k elements (the dense ones send the whole bucket, low-rank its factors).
 SPARSE = tuple(e for e in EXCHANGES if e not in DENSE_EXCHANGES)
 
 

@@ -27,6 +27,7 @@ from flexcomm.cost.model import (
     collective_time,
     dense16_time,
     dense_time,
+    lowrank_time,
     predict_exchange_times,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "collective_time",
     "dense16_time",
     "dense_time",
+    "lowrank_time",
     "merge_observations",
     "predict_exchange_times",
 ]

@@ -56,6 +56,8 @@ The four exchanges of one bucket of ``M`` elements at density ``c``
 * ``dense16``: ``allreduce(M * 2)`` (the bucket in fp16, whatever ``vb``)
 * ``agtopk``: ``allgather(k * (vb + 4))`` (values and indices packed in one message)
 * ``artopk``: ``broadcast(k * 4) + allreduce(k * vb)``
+* ``lowrank``: ``allreduce(4 * first) + allreduce(4 * second)`` (:func:`lowrank_time`: its
+  payload follows the bucket's matrices, not the density, so it is not in :data:`EXCHANGES`)
 
 Only communication is modelled; the cost of selecting the top-k is the controller's.
 """
@@ -81,6 +83,8 @@ EXCHANGES: tuple[Exchange, ...] = ("dense", "dense16", "artopk", "agtopk")
 DENSE_EXCHANGES: frozenset[Exchange] = frozenset({"dense", "dense16"})
 #: Bytes per value of ``dense16``'s allreduce.
 HALF_BYTES = 2
+#: Bytes per value of the low-rank exchange's factors (fp32 whatever the gradient's dtype).
+FACTOR_BYTES = 4
 
 ALGORITHMS: dict[CollectiveKind, tuple[str, ...]] = {
     "allreduce": ("ring", "tree"),
@@ -243,6 +247,13 @@ def artopk_time(numel: int, density: float, world_size: int, params: CostParams,
     k = k_for(numel, density)
     indices = collective_time("broadcast", k * INDEX_BYTES, world_size, params)
     return indices + collective_time("allreduce", k * value_bytes, world_size, params)
+
+
+def lowrank_time(first_numel: int, second_numel: int, world_size: int, params: CostParams) -> float:
+    """Low-rank: ``allreduce(4 * first) + allreduce(4 * second)``: the P factors with the parameters
+    sent whole, then the Q factors (fp32; see :mod:`flexcomm.exchange.lowrank`)."""
+    return (collective_time("allreduce", first_numel * FACTOR_BYTES, world_size, params)
+            + collective_time("allreduce", second_numel * FACTOR_BYTES, world_size, params))
 
 
 def predict_exchange_times(

@@ -28,7 +28,10 @@ class BucketRecord:
     collective's launch to the last one's completion.
     ``gain`` is this rank's ``||sent part of a_i|| / ||a_i||``.  ``predicted`` is the
     cost model's time for the chosen exchange (``flex`` only, else NaN); ``explored``: the
-    exchange was ``flex`` trying an alternative, not its plan's choice.
+    exchange was ``flex`` trying an alternative, not its plan's choice.  ``quality`` is
+    ``cos(update, mean_i g_i)`` on a sample of the bucket's coordinates (the same on every
+    rank; measured by the low-rank exchange, NaN elsewhere): how well the applied update
+    points along the ranks' mean raw gradient (``benchmarks/quality_signal.py``).
     """
 
     step: int
@@ -45,6 +48,7 @@ class BucketRecord:
     predicted: float = math.nan
     density: float = math.nan
     explored: bool = False
+    quality: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,12 +79,13 @@ class Timings:
 class DeviceOutcome:
     """What an exchange learned, as 0-d device tensors until the state settles the step.
 
-    ``gain``: ``||sent part of a_i|| / ||a_i||``; ``finite``: whether the exchanged update
+    ``gain``: ``||sent part of a_i|| / ||a_i||``; ``quality``: the record's ``quality``; ``finite``: whether the exchanged update
     is finite; ``statistics``: every rank's leader statistic (VAR-Topk), kept only if finite;
     ``timings``: the exchange's CUDA-event marks (host marks are reported at once).
     """
 
     gain: torch.Tensor | None = None
+    quality: torch.Tensor | None = None
     finite: torch.Tensor | None = None
     statistics: torch.Tensor | None = None
     timings: Timings | None = None
@@ -113,7 +118,9 @@ class BucketJob:
     ``grad`` already zeroed, ``||a_i||``, and the top-k on a rank that selects with the
     exact top-k), and ``accumulation_span`` its time marks (local work of the exchange).
     ``leader`` is the AR-Topk index source (-1 for other exchanges); ``low_rank`` the
-    low-rank exchange's split and queries (``None`` for other exchanges).  ``record`` arrives
+    low-rank exchange's split and queries (``None`` for other exchanges); ``sampled_grad`` is
+    ``g_i / N`` at the bucket's ``sample`` positions, taken before the accumulation pass zeroed
+    the bucket, for an exchange that measures its ``quality``.  ``record`` arrives
     with the step, bucket, exchange, k and density filled in; the exchange fills in its
     host-side measurements and puts its device-side ones in ``outcome``.  ``selector``
     and ``leaders`` are set when the exchange needs them.
@@ -139,6 +146,8 @@ class BucketJob:
     accumulation_span: tuple[Mark, Mark] | None = None
     leader: int = -1
     low_rank: LowRankBucket | None = None
+    sample: slice | None = None
+    sampled_grad: torch.Tensor | None = None
 
     def selected(self) -> torch.Tensor:
         """This rank's selection of ``accumulated``: the accumulation pass's top-k, else the selector's."""

@@ -14,7 +14,10 @@ error-corrected bucket, ``Q`` its warm-start query, equal on every rank):
 
 A non-finite ``a_i`` on any rank makes the first buffer NaN on every rank (``nan_unless``),
 so the update is NaN everywhere and every rank drops its residual, as for the top-k
-exchanges.  Bytes per rank: ``4 * (sum (n + m) r + rest)``, in two collectives.
+exchanges.  Bytes per rank: ``4 * (sum (n + m) r + rest)``, in two collectives, plus (when the
+state asks for the update's quality) the rank's raw gradient at a shared sample of coordinates,
+divided by N, appended to the second: its sum is the mean gradient there, against which the
+update's cosine is taken (the record's ``quality``; identical on every rank).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from flexcomm.comm import allreduce_sum, clock, used_on_current_stream
 from flexcomm.compress.lowrank import FACTOR_DTYPE, orthonormalize_
-from flexcomm.compress.stats import all_finite, nan_unless
+from flexcomm.compress.stats import all_finite, cosine, nan_unless
 from flexcomm.exchange.job import BucketJob, Timings, report_timings
 
 
@@ -40,7 +43,11 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
         torch.matmul(m, q, out=p)
     rest_energy = _pack_rest(first[split.p_numel :], rest, n)
     nan_unless(first, accumulation.finite)
-    second = torch.empty(split.q_numel, dtype=FACTOR_DTYPE, device=device)
+    sampled = job.sampled_grad
+    extra = 0 if sampled is None else sampled.numel()
+    second = torch.empty(split.q_numel + extra, dtype=FACTOR_DTYPE, device=device)
+    if sampled is not None:  # the ranks' g_i / N at the sample ride along: their sum is the mean gradient there
+        second[split.q_numel :].copy_(sampled)
     rec.k = first.numel() + second.numel()
     rec.bytes_sent = rec.k * first.element_size()
     launched = clock.now(device)
@@ -51,7 +58,7 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
         orthonormalize_(p)
         torch.matmul(m.t(), p, out=q_i)
         m.addmm_(p, q_i.t(), alpha=-1.0)  # e_i = M_i - P Q_i^T: what this rank's projection left behind
-    job.outcome.gain = _gain(second, rest_energy, accumulation.norm)
+    job.outcome.gain = _gain(second[: split.q_numel], rest_energy, accumulation.norm)
     issued = clock.now(device)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
@@ -93,7 +100,7 @@ def _apply_update(job: BucketJob, first: torch.Tensor, second: torch.Tensor) -> 
     low_rank, grad, n = job.low_rank, job.grad, job.world_size
     assert low_rank is not None
     split = low_rank.split
-    job.outcome.finite = finite = all_finite(first) & all_finite(second)
+    job.outcome.finite = finite = all_finite(first) & all_finite(second[: split.q_numel])
     job.memory.commit(job.index, finite)
     matrices, rest = split.views(grad)
     ps, total_qs = split.factor_views(first, "p"), split.factor_views(second, "q")
@@ -108,4 +115,6 @@ def _apply_update(job: BucketJob, first: torch.Tensor, second: torch.Tensor) -> 
     for piece in rest:
         piece.copy_(rest_total[offset : offset + piece.numel()])
         offset += piece.numel()
+    if job.sample is not None:
+        job.outcome.quality = cosine(grad[job.sample], second[split.q_numel :])
     return grad

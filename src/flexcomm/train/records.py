@@ -17,7 +17,8 @@ schedule, which stands still while the ranks evaluate), ``loss`` (rank 0's mini-
 ``leaders`` (AR-Topk index-source ranks), ``gain`` (mean compression gain over
 buckets), ``finite`` (false: some rank's gradient was not finite, so the hook made the
 update NaN everywhere and the optimizer step was skipped), ``explored`` (some bucket ran
-``flex``'s exploration of an alternative exchange); at evaluation points also
+``flex``'s exploration of an alternative exchange), ``quality`` (mean ``cos(update, mean
+gradient)`` over the buckets that measured it, else null); at evaluation points also
 ``accuracy`` and ``test_loss``.
 """
 

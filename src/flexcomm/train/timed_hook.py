@@ -16,6 +16,7 @@ every bucket.  Wrapping lets the training loop
 """
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
@@ -42,7 +43,8 @@ class StepComm:
     partly overlaps backward.  ``t_wait``: how long backward was held up by
     communication (blocked inside hooks, plus waiting for the last exchanges).
     ``density``: elements exchanged / gradient elements.  ``explored``: some bucket ran
-    ``flex``'s exploration of an alternative exchange, not its plan's.
+    ``flex``'s exploration of an alternative exchange, not its plan's.  ``quality``: the mean
+    over buckets that measured it of ``cos(update, mean gradient)`` (``flex``'s low-rank exchange).
     """
 
     t_compress: float
@@ -55,6 +57,7 @@ class StepComm:
     gain: float | None
     finite: bool
     explored: bool = False
+    quality: float | None = None
 
 
 @dataclass
@@ -236,6 +239,7 @@ def _summarise_records(records: list[flexcomm.BucketRecord], in_hook: float, tai
         gain=sum(gains) / len(gains) if gains else None,
         finite=all(r.finite for r in records),
         explored=any(r.explored for r in records),
+        quality=statistics.fmean(qualities) if (qualities := [r.quality for r in records if math.isfinite(r.quality)]) else None,
     )
 
 

@@ -1,0 +1,169 @@
+"""``flex`` with the low-rank exchange: its measured quality, its steps factor, switching in and out of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flexcomm
+from flexcomm.compress.stats import sample_positions
+from flexcomm.control.exchange import ExchangeChooser, StepSample
+from flexcomm.control.quality import MIN_QUALITY, quality_factor
+from flexcomm.cost import CostEstimator, CostParams, LinkParams
+from multiproc import raised, run_world
+from test_lowrank import Injector, gradients
+
+MATRIX = [(64, 50)]
+SCHEDULE = ("lowrank", "agtopk", "lowrank", "dense", "artopk", "lowrank", "lowrank", "agtopk", "dense", "lowrank")
+
+
+def forced(state: flexcomm.FlexState, schedule: tuple[str, ...] = SCHEDULE) -> None:
+    """Make flex run ``schedule`` (by step and bucket) through its chooser."""
+    state.chooser.choose = lambda bucket, step, density, world: schedule[(step + bucket) % len(schedule)]
+
+
+def _quality(rank: int, world: int, steps: int) -> dict:
+    model = DDP(Injector(MATRIX))
+    state = flexcomm.register(model, compressor="flex", density=0.01, flex_interval=3)
+    forced(state, ("lowrank",))
+    updates = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        model(gradients(rank, step, MATRIX)).backward()
+        updates.append(model.module.params[0].grad.detach().clone())
+    return {"updates": updates, "records": state.drain_records()}
+
+
+def test_quality_is_the_update_s_cosine_to_the_mean_gradient_on_the_shared_sample() -> None:
+    steps, world = 3, 2
+    results = run_world(_quality, world, steps)
+    numel = 64 * 50
+    for step in range(steps):
+        mean = torch.stack([gradients(r, step, MATRIX)[0] for r in range(world)]).mean(0).reshape(-1)
+        update = results[0]["updates"][step].reshape(-1)
+        sample = sample_positions(numel, step)
+        expected = torch.nn.functional.cosine_similarity(update[sample], mean[sample], dim=0).item()
+        rec = results[0]["records"][step]
+        assert rec.exchange == "lowrank" and rec.quality == pytest.approx(expected, abs=1e-5)
+        assert results[1]["records"][step].quality == rec.quality  # computed from allreduced values on every rank
+        assert 0.0 < rec.quality < 1.0
+
+
+def _fixed_lowrank(rank: int, world: int) -> list:
+    model = DDP(Injector(MATRIX))
+    state = flexcomm.register(model, compressor="lowrank")
+    model(gradients(rank, 0, MATRIX)).backward()
+    return state.drain_records()
+
+
+def test_quality_is_measured_only_where_flex_decides() -> None:
+    # A fixed low-rank compressor sends no sample (it would only add bytes): its records carry no quality.
+    records = run_world(_fixed_lowrank, 2)[0]
+    assert math.isnan(records[0].quality)
+    assert records[0].k == (64 + 50) * 4
+
+
+def _switching(rank: int, world: int) -> dict:
+    model = DDP(Injector(MATRIX))
+    state = flexcomm.register(model, compressor="flex", density=0.05, flex_interval=3, probe_every=100)
+    forced(state)
+    grads = torch.zeros(64 * 50, dtype=torch.float64)
+    updates = torch.zeros_like(grads)
+    for step in range(len(SCHEDULE)):
+        g = gradients(rank, step, MATRIX)
+        grads += g[0].reshape(-1).double()
+        model.zero_grad(set_to_none=True)
+        model(g).backward()
+        updates += model.module.params[0].grad.reshape(-1).double()
+    residual = state.memory.residual(0)
+    return {"grads": grads, "updates": updates, "residual": None if residual is None else residual.double(),
+            "exchanges": [r.exchange for r in state.drain_records()]}
+
+
+def test_switching_in_and_out_of_low_rank_neither_drops_nor_double_counts_residuals() -> None:
+    results = run_world(_switching, 4)
+    assert set(results[0]["exchanges"]) == {"lowrank", "agtopk", "artopk", "dense"}
+    for r in results[1:]:
+        assert torch.equal(r["updates"], results[0]["updates"])
+    delivered = 4 * results[0]["updates"] + sum(r["residual"] for r in results if r["residual"] is not None)
+    torch.testing.assert_close(delivered, sum(r["grads"] for r in results), rtol=0, atol=1e-4)
+
+
+def chooser_on(rate_bps: float, numel: int = 1_000_000, payload: tuple[int, int] | None = (20_000, 20_000)) -> ExchangeChooser:
+    """A chooser whose model believes a 2-rank link of ``rate_bps``, knowing bucket 0 with its low-rank payload."""
+    chooser = ExchangeChooser(CostEstimator(prior=CostParams.uniform(LinkParams.from_bandwidth(1e-4, rate_bps))))
+    chooser.note_sizes(0, numel, 4, payload)
+    return chooser
+
+
+def lowrank_sample(chooser: ExchangeChooser, quality: float, comm: float | None = None) -> StepSample:
+    """A low-rank exchange of bucket 0 measured at ``comm`` seconds (default: as the model predicts) and ``quality``."""
+    comm = chooser.predicted(0, "lowrank", 0.01, 2) if comm is None else comm
+    return StepSample(0, "lowrank", 0.01, 0.002, comm, 0.0, quality=quality)
+
+
+def test_the_low_rank_steps_factor_is_one_over_its_measured_quality() -> None:
+    chooser = chooser_on(1e9)
+    assert chooser.costs(0, 0.01, 2).factor["lowrank"] == 1.0  # unmeasured: it gets tried
+    chooser.observe(1, [lowrank_sample(chooser, 0.5)], 2)
+    assert chooser.costs(0, 0.01, 2).factor["lowrank"] == pytest.approx(2.0)
+    chooser.observe(2, [lowrank_sample(chooser, math.nan)], 2)  # not measured this time: no change
+    assert chooser.costs(0, 0.01, 2).factor["lowrank"] == pytest.approx(2.0)
+    assert quality_factor(0.0) == 1.0 / MIN_QUALITY and quality_factor(1.3) == 1.0
+    restored = ExchangeChooser()
+    restored.load_state_dict(chooser.state_dict())
+    assert restored.costs(0, 0.01, 2).factor == chooser.costs(0, 0.01, 2).factor
+
+
+@pytest.mark.parametrize(("quality", "chosen"), [(0.9, "lowrank"), (0.1, "artopk")])
+def test_a_slow_link_takes_low_rank_only_where_its_quality_pays_for_its_bytes(quality: float, chosen: str) -> None:
+    # 20 Mbit/s, a 1M-float bucket at density 0.01: AR-Topk sends 40 KB of indices and 40 KB of
+    # values, low-rank two allreduces of 20 KB.  At quality 0.9 (factor 1.1) low-rank is the
+    # fastest for the steps it costs; at quality 0.1 (factor 10) AR-Topk is.
+    chooser = chooser_on(20e6, payload=(5_000, 5_000))
+    chooser.observe(1, [lowrank_sample(chooser, quality)], 2)
+    chooser.replan(0.01, 2)
+    assert chooser.plan[0] == chosen
+
+
+def test_at_density_one_low_rank_stands_for_dense_where_dense_is_slow() -> None:
+    slow, fast = chooser_on(20e6, payload=(5_000, 5_000)), chooser_on(100e9, payload=(5_000, 5_000))
+    for chooser in (slow, fast):
+        chooser.observe(1, [lowrank_sample(chooser, 0.8)], 2)
+        chooser.replan(1.0, 2)
+    assert slow.plan[0] == "lowrank"
+    assert fast.plan[0] in ("dense", "dense16")
+
+
+def test_without_the_option_or_a_matrix_low_rank_is_never_chosen() -> None:
+    off = ExchangeChooser(CostEstimator(prior=CostParams.uniform(LinkParams.from_bandwidth(1e-4, 20e6))), lowrank=False)
+    off.note_sizes(0, 1_000_000, 4, (5_000, 5_000))
+    no_matrix = chooser_on(20e6, payload=None)
+    for chooser in (off, no_matrix):
+        chooser.replan(1.0, 2)
+        assert chooser.plan[0] != "lowrank"
+        assert math.isinf(chooser.costs(0, 1.0, 2).comm["lowrank"])
+    assert "lowrank must be True or False, got 1" in raised(lambda: flexcomm.FlexState(compressor="flex", lowrank=1))
+
+
+def test_trials_are_not_spent_on_a_pair_the_model_alone_rates_cheap() -> None:
+    # Dense measured at 0.5 s on this bucket at 20 Mbit/s, low-rank at its modelled few ms; then the
+    # fit (small messages through a shaped link's burst) believes 3 Gbit/s and rates dense within the
+    # exploration and guard margins of the plan, though not below it.  The plan stays low-rank and no
+    # exploration or guard trial runs dense on the model's word.
+    chooser = ExchangeChooser(CostEstimator(prior=CostParams.uniform(LinkParams.from_bandwidth(1e-4, 20e6))), dense16=False)
+    chooser.note_sizes(0, 1_000_000, 4, (5_000, 5_000))
+    chooser.observe(1, [lowrank_sample(chooser, 0.9)], 2)
+    chooser.observe(2, [StepSample(0, "dense", 1.0, 0.0, 0.5, 0.0)], 2)
+    chooser.refresh()
+    chooser.replan(1.0, 2)
+    chooser.estimator = CostEstimator(prior=CostParams.uniform(LinkParams.from_bandwidth(1e-4, 3e9)))
+    chooser.refresh()
+    chooser.replan(1.0, 2)
+    costs = chooser.costs(0, 1.0, 2)
+    assert chooser.plan[0] == "lowrank"
+    assert costs.total("lowrank") * costs.factor["lowrank"] < costs.total("dense") < 0.01  # the model alone: close, cheap
+    assert {chooser.choose(0, step, 1.0, 2) for step in range(200)} == {"lowrank"}

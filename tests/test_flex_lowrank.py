@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flexcomm
 from flexcomm.compress.stats import sample_positions
 from flexcomm.control.exchange import ExchangeChooser, StepSample
+from flexcomm.control.probing import MAX_PROBE_STRETCH, probe_due
 from flexcomm.control.quality import MIN_QUALITY, quality_factor
 from flexcomm.cost import CostEstimator, CostParams, LinkParams
 from multiproc import raised, run_world
@@ -167,3 +168,12 @@ def test_trials_are_not_spent_on_a_pair_the_model_alone_rates_cheap() -> None:
     assert chooser.plan[0] == "lowrank"
     assert costs.total("lowrank") * costs.factor["lowrank"] < costs.total("dense") < 0.01  # the model alone: close, cheap
     assert {chooser.choose(0, step, 1.0, 2) for step in range(200)} == {"lowrank"}
+
+
+def test_a_probe_waits_while_it_would_cost_more_than_its_budget_of_the_plan_s_time() -> None:
+    probe, plan = (lambda: 1.5), (lambda: 0.02)  # a 1.5 s probe on 20 ms steps
+    assert not probe_due(199, 200, probe, plan)
+    assert not probe_due(200, 200, probe, plan)  # 1.5 s > 2% of 200 x 20 ms
+    assert probe_due(200, 200, (lambda: 0.05), plan)  # 50 ms <= 80 ms
+    assert probe_due(200, 200, probe, (lambda: math.nan))  # no plan yet: no budget to keep
+    assert probe_due(MAX_PROBE_STRETCH * 200, 200, probe, plan)  # never later than this

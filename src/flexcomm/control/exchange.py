@@ -11,13 +11,9 @@ saves more time than the extra steps it costs.  The low-rank exchange pays ``1 /
 measured cosine to the mean gradient; it is a choice at every density (at 1.0 it stands for
 dense where dense's bytes cost more than its extra steps), for buckets with a matrix to factor.
 
-``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` (EWMA of measured /
-modelled comm; for an unmeasured pair the mean over the exchange's other buckets, else 1).  At
-every agreement point the estimator refits (alpha, beta); a pair measured since the previous
-refit has its ``kappa`` rebased so that its prediction at the density it was measured at stays
-what it measured (without: dense at 1 Gbit predicted 124 ms while it measured 220 ms), the
-others follow the model, so a link that changed moves the exchanges flex is not using
-(rebasing those too kept dense at its 1 Gbit time after a drop to 20 Mbit: 4 s steps).
+``comm`` is the alpha-beta model times the calibration ``kappa[b, e]`` of
+:mod:`flexcomm.control.calibration` (measured over modelled, rebased at every refit for the
+pairs measured since the last one).
 
 ``block`` of an unmeasured sparse pair scales the measured seconds per element of sparse
 exchanges; unmeasured dense16 and low-rank pairs, and sparse ones before any measurement,
@@ -45,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flexcomm.control.calibration import Calibration
 from flexcomm.control.exploration import at_least_measured, backed_off, exploration
 from flexcomm.control.guard import arm_exchange, guard_trial, smoothed_periods
 from flexcomm.control.quality import quality_factor, steps_factor
@@ -118,20 +115,12 @@ class ExchangeChooser:
         #: The density :attr:`plan` was made for (a plan for another density must not run).
         self.plan_density: float | None = None
         self._block: dict[tuple[int, str], float] = {}
-        self._kappa: dict[tuple[int, str], float] = {}
-        # (density, world size) of each pair's last calibration: where a refit must not move its prediction.
-        self._kappa_at: dict[tuple[int, str], tuple[float, int]] = {}
+        self._calibration = Calibration(smoothing)
         self._gap: dict[int, float] = {}
         self._measured_at: dict[tuple[int, str], int] = {}
-        # Pairs measured since the last refresh: the ones whose calibration a refit must not move.
-        self._fresh: set[tuple[int, str]] = set()
         # The guard: measured whole-step periods of all-dense steps (its arm) and of the others, (seconds, step).
         self.measured_steps: dict[str, tuple[float, int]] = {}
         self._simulated_plan: dict[int, str] = {}
-        # Calibrated comm seconds of each pair at its last measurement (its own density and world size).
-        self._anchor: dict[tuple[int, str], float] = {}
-        # Pairs measured in the agreement interval before the last refresh: a plan may adopt them on their numbers.
-        self._recent: set[tuple[int, str]] = set()
         # bucket -> the exchange a replan wanted but must try first (see TRUST_DRIFT).
         self._wanted: dict[int, str] = {}
         # (step, bucket) of the last exploration; whether its agreed samples came in since the last
@@ -163,18 +152,8 @@ class ExchangeChooser:
         measurements made it; the others follow the model.
         """
         params = self.estimator.params
-        for key, (density, world) in sorted(self._kappa_at.items()):
-            bucket, exchange = key
-            if bucket not in self.sizes or key not in self._fresh:
-                continue
-            before = self._modelled(bucket, density, world, self.params)[exchange]
-            after = self._modelled(bucket, density, world, params)[exchange]
-            if before > 0.0 and after > 0.0:
-                self._kappa[key] *= before / after
-                self._anchor[key] = self._kappa[key] * after
+        self._calibration.rebase(lambda b, e, d, w, p: self._modelled(b, d, w, p)[e], self.params, params, set(self.sizes))
         self.params = params
-        self._recent = set(self._fresh)
-        self._fresh.clear()
 
     # -- measurements ---------------------------------------------------------------------
     def observe(self, step: int, samples: Sequence[StepSample], world: int) -> None:
@@ -182,12 +161,10 @@ class ExchangeChooser:
         for s in samples:
             key = (s.bucket, s.exchange)
             model = self._modelled(s.bucket, s.density, world, self.params)[s.exchange]
-            self._smooth(self._kappa, key, s.comm / model if model > 0 else 1.0)
-            self._kappa_at[key] = (s.density, world)
+            self._calibration.observe(key, s.comm / model if model > 0 else 1.0, s.density, world)
             self._smooth(self._block, key, s.block)
             self._smooth(self._gap, s.bucket, s.gap)
             self._measured_at[key] = step
-            self._fresh.add(key)
             if self._explored == (step, s.bucket):
                 self._exploration_seen = True
             factor = steps_factor(s.kept_min, s.kept_max) if s.exchange == "artopk" else None
@@ -213,7 +190,7 @@ class ExchangeChooser:
         """Predicted blocking and comm seconds of every exchange of ``bucket`` at ``density``."""
         numel, vb = self.sizes[bucket]
         modelled = self._modelled(bucket, density, world, self.params)
-        comm = {e: self._kappa_for(bucket, e) * modelled[e] if self._usable(bucket, e, vb, density) else math.inf
+        comm = {e: self._calibration.of(bucket, e) * modelled[e] if self._usable(bucket, e, vb, density) else math.inf
                 for e in EXCHANGE_ORDER}
         block = {e: self._block_for(bucket, e, numel) for e in EXCHANGE_ORDER}
         factors = {"artopk": self._factor_for(bucket), LOW_RANK: quality_factor(own_or_mean(self._quality, bucket, LOW_RANK))}
@@ -234,9 +211,6 @@ class ExchangeChooser:
         if exchange == "dense16":
             return self.dense16 and value_bytes > HALF_BYTES
         return True
-
-    def _kappa_for(self, bucket: int, exchange: str) -> float:
-        return own_or_mean(self._kappa, bucket, exchange)
 
     def _factor_for(self, bucket: int) -> float:
         """AR-Topk's steps factor on ``bucket`` (1 until measured anywhere: it gets tried)."""
@@ -283,11 +257,12 @@ class ExchangeChooser:
     def _drifted_faster(self, bucket: int, exchange: str, world: int) -> bool:
         """Whether the model rates a pair not measured in the last interval ``TRUST_DRIFT`` times below its last measurement."""
         key = (bucket, exchange)
-        anchor = self._anchor.get(key)
-        if anchor is None or key in self._recent or not self.explore_every:  # no explorations: nothing to try it with
+        calibration = self._calibration
+        anchor = calibration.anchor.get(key)
+        if anchor is None or calibration.recent(key) or not self.explore_every:  # no explorations: nothing to try it with
             return False
-        density, measured_world = self._kappa_at[key]
-        now = self._kappa_for(bucket, exchange) * self._modelled(bucket, density, measured_world, self.params)[exchange]
+        density, measured_world = calibration.measured_at[key]
+        now = calibration.of(bucket, exchange) * self._modelled(bucket, density, measured_world, self.params)[exchange]
         return now * TRUST_DRIFT < anchor
 
     def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
@@ -354,7 +329,9 @@ class ExchangeChooser:
 
     def _trial_costs(self, density: float, world: int) -> list[BucketCosts]:
         """The costs explorations and guard trials are rated by (see :func:`at_least_measured`)."""
-        return at_least_measured(self.step_costs(density, world), self.order, self._anchor, self._kappa_at, density, world)
+        calibration = self._calibration
+        return at_least_measured(self.step_costs(density, world), self.order, calibration.anchor, calibration.measured_at,
+                                 density, world)
 
     def predicted(self, bucket: int, exchange: str, density: float, world: int) -> float:
         """Predicted blocking + comm seconds of one bucket exchange (what the records compare with)."""
@@ -384,41 +361,32 @@ class ExchangeChooser:
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state_dict(), "sizes": {b: list(s) for b, s in self.sizes.items()},
-                "plan": dict(self.plan), "plan_density": self.plan_density, "block": pairs(self._block), "kappa": pairs(self._kappa),
-                "kappa_at": pairs(self._kappa_at), "gap": dict(self._gap),
-                "measured_at": pairs(self._measured_at), "fresh": sorted([b, e] for b, e in self._fresh),
-                "measured_steps": dict(self.measured_steps),
-                "simulated_plan": dict(self._simulated_plan), "anchor": pairs(self._anchor),
-                "recent": sorted([b, e] for b, e in self._recent), "wanted": dict(self._wanted),
-                "factor": pairs(self._factor), "quality": pairs(self._quality),
+                "plan": dict(self.plan), "plan_density": self.plan_density, "block": pairs(self._block),
+                **self._calibration.state_dict(), "gap": dict(self._gap), "measured_at": pairs(self._measured_at),
+                "measured_steps": dict(self.measured_steps), "simulated_plan": dict(self._simulated_plan),
+                "wanted": dict(self._wanted), "factor": pairs(self._factor), "quality": pairs(self._quality),
                 "factor_sizes": {b: list(s) for b, s in self.factor_sizes.items()}, "explore_scale": self._explore_scale,
                 "explored": None if self._explored is None else list(self._explored),
                 "exploration_seen": self._exploration_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; keys absent from older checkpoints load empty or at their defaults."""
         self.estimator.load_state_dict(state["estimator"])
         self.params = self.estimator.params  # the parameters the saved calibrations are relative to
         self.sizes = {int(b): (int(n), int(v)) for b, (n, v) in state["sizes"].items()}
         self.plan = {int(b): str(e) for b, e in state["plan"].items()}
         self.plan_density = state["plan_density"]
-        self._block, self._kappa = unpairs(state["block"]), unpairs(state["kappa"])
-        self._kappa_at = {key: (float(d), int(w)) for key, (d, w) in unpairs(state.get("kappa_at", [])).items()}
+        self._block = unpairs(state["block"])
+        self._calibration.load_state_dict(state)
         self._gap = {int(b): float(g) for b, g in state["gap"].items()}
         self._measured_at = unpairs(state["measured_at"])
-        self._fresh = {(int(b), str(e)) for b, e in state.get("fresh", [])}
         self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}
         self._simulated_plan = {int(b): str(e) for b, e in state["simulated_plan"].items()}
-        # Absent from states saved before trials before adoption: nothing waits for a trial.
-        self._anchor = {key: float(v) for key, v in unpairs(state.get("anchor", [])).items()}
-        self._recent = {(int(b), str(e)) for b, e in state.get("recent", [])}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
         self._factor = {key: float(v) for key, v in unpairs(state.get("factor", [])).items()}
-        # Absent from states saved before the low-rank exchange.
         self._quality = {key: float(v) for key, v in unpairs(state.get("quality", [])).items()}
         self.factor_sizes = {int(b): (int(p), int(q)) for b, (p, q) in state.get("factor_sizes", {}).items()}
-        # Absent from states saved before the back-off: explorations every explore_every steps.
         self._explore_scale = int(state.get("explore_scale", 1))
         explored = state.get("explored")
         self._explored = None if explored is None else (int(explored[0]), int(explored[1]))
         self._exploration_seen = bool(state.get("exploration_seen", False))
-

@@ -19,8 +19,9 @@ every rank in the same order:
 
 So at an agreement point nothing stands between the first bucket's work and its exchange
 but the wait for an allreduce issued one optimizer step, forward and backward earlier.
-Probes (at start and every ``probe_every`` steps) still run at the step's first bucket: they
-time a quiet link, and at the previous step's end its last exchanges still use it.
+Probes (at start, then every ``probe_every`` steps within a budget, :mod:`flexcomm.control.probing`)
+still run at the step's first bucket: they time a quiet link,
+and at the previous step's end its last exchanges still use it.
 
 Every decision is a deterministic function of the step counter and of values every rank
 received in the same collective, so every rank decides alike:
@@ -75,8 +76,9 @@ from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.agreement_point import AgreementPoint
 from flexcomm.control.measurements import AgreedSample
 from flexcomm.control.periods import RecentPeriods, StepPeriods
+from flexcomm.control.probing import probe_due
 from flexcomm.control.step_log import LocalSample, StepLog, sample_from_row, sample_row
-from flexcomm.cost import CostEstimator, Observation
+from flexcomm.cost import CostEstimator, Observation, probe_time
 
 
 #: How many of the newest agreed (exchange, predicted, measured) pairs ``prediction_log``
@@ -185,7 +187,7 @@ class StepPlanner:
         self._close_step()
         agreement, self._agreement = self._agreement, None
         learned = False
-        if self.probed_at is None or step - self.probed_at >= self.probe_every:
+        if self._probe_due(step):
             self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
             self.probed_at = step
             learned = True
@@ -207,6 +209,15 @@ class StepPlanner:
             if self.controller:
                 simulated = self.chooser.step_seconds(self.density, self.world_size, self.exchange)
                 self._simulated = simulated if math.isfinite(simulated) else 0.0
+
+    def _probe_due(self, step: int) -> bool:
+        """:func:`~flexcomm.control.probing.probe_due` on the model and plan in force (agreed: every rank probes alike)."""
+        if self.probed_at is None:
+            return True
+        world = self.world_size
+        return probe_due(step - self.probed_at, self.probe_every,
+                         lambda: probe_time(self.probe_sizes, world, self.chooser.params),
+                         lambda: self.chooser.plan_seconds(world))
 
     def end_step(self, step: int) -> None:
         """The step's last bucket's exchange was issued: issue the next step's agreement, if it is an agreement point.
@@ -307,14 +318,11 @@ class StepPlanner:
         """The controller's decision on the last agreed gains and every candidate's predicted step period.
 
         Every candidate is predicted from the periods measured at its own density, each paired
-        with the simulated step the model gave when those steps ran (:mod:`flexcomm.control.periods`):
-        whole steps, so that the controller's slack is a share of the step, not of its exchanges.
-        A period is dropped when the model, having learned from those same steps, now simulates
-        the plan they ran more than ``REGIME_CHANGE`` times slower or faster than when they ran:
-        the link changed while they ran, and neither model describes all of them.  (Kept, the
-        first period after a drop to 100 Mbit, 114 ms of dense steps, was paired with the 1 Gbit
-        model's 11 ms: the whole drop was taken for time the model leaves out and stayed in that
-        density's prediction, 2-8x too slow once the link came back.)
+        with the simulated step the model gave when those steps ran (:mod:`flexcomm.control.periods`).
+        A period is dropped when the model now simulates the plan it ran more than ``REGIME_CHANGE``
+        times slower or faster than then: the link changed while it ran.  (Kept, 114 ms of dense
+        steps after a drop to 100 Mbit, paired with the 1 Gbit model's 11 ms, left that density's
+        prediction 2-8x too slow once the link came back.)
         """
         assert self.controller is not None
         candidates = self.controller.candidates

@@ -29,6 +29,7 @@ from flexcomm.cost.model import (
     dense_time,
     lowrank_time,
     predict_exchange_times,
+    probe_time,
 )
 
 __all__ = [
@@ -58,4 +59,5 @@ __all__ = [
     "lowrank_time",
     "merge_observations",
     "predict_exchange_times",
+    "probe_time",
 ]

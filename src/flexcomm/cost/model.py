@@ -208,6 +208,11 @@ def collective_time(kind: CollectiveKind, nbytes: float, world_size: int, params
     return a * link.alpha + b * link.beta
 
 
+def probe_time(sizes: Sequence[int], world_size: int, params: CostParams) -> float:
+    """Predicted seconds of one probe: every collective kind at each of ``sizes`` bytes, one after another."""
+    return sum(collective_time(kind, size, world_size, params) for size in sizes for kind in KINDS)
+
+
 def allreduce_time(nbytes: float, world_size: int, link: LinkParams, algorithm: str = "ring") -> float:
     """Allreduce of ``nbytes``: ring ``2(N-1)a + 2(N-1)/N m b``; tree ``2L(a + m b)``."""
     a, b = collective_coefficients("allreduce", algorithm, nbytes, world_size)

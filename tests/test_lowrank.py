@@ -226,3 +226,25 @@ def test_many_buckets_with_random_delays_agree_on_every_rank() -> None:
         assert torch.isfinite(results[0]["updates"][step]).all()
         for r in range(1, 4):
             assert torch.equal(results[r]["updates"][step], results[0]["updates"][step])
+
+
+def _dtypes(rank: int, world: int) -> dict:
+    out = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        model = DDP(Injector([(48, 40)]).to(dtype))
+        state = flexcomm.register(model, compressor="lowrank", rank=RANK)
+        grads = [g.to(dtype) for g in gradients(rank, 0, [(48, 40)])]
+        model(grads).backward()
+        out[str(dtype)] = (model.module.params[0].grad.detach().clone(), state.memory.residual(0).dtype)
+    return out
+
+
+def test_fp64_gradients_are_factored_in_fp64_and_half_ones_update_in_their_dtype() -> None:
+    results = run_world(_dtypes, 2)
+    for r in results:
+        update, residual = r["torch.float64"]
+        assert update.dtype == torch.float64 and residual == torch.float64
+        update, residual = r["torch.bfloat16"]
+        assert update.dtype == torch.bfloat16 and residual == torch.float32  # residuals stay fp32
+        assert torch.isfinite(update.float()).all()
+    assert torch.equal(results[0]["torch.float64"][0], results[1]["torch.float64"][0])

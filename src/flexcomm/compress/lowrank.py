@@ -24,8 +24,8 @@ continues across steps, so one iteration per step tracks the gradients' dominant
 
 PowerSGD's own hook keeps its error as ``M_i - update`` (the mean of every rank's
 projection); here each rank keeps the part of its own matrix it did not send, as for
-top-k.  The factors travel in fp32 whatever the gradient's dtype, and queries are kept in
-fp32: they are the iteration's state.  The first query of each matrix is drawn from a
+top-k.  The factors travel in fp32 whatever the gradient's dtype (fp64 for fp64 gradients), and
+queries are kept in fp32: they are the iteration's state.  The first query of each matrix is drawn from a
 generator seeded by the parameter's key, so every rank starts alike.
 """
 
@@ -39,8 +39,13 @@ from typing import Any
 
 import torch
 
-#: Factors and queries are fp32 whatever the gradient's dtype (they are the iteration's state).
+#: Queries are kept in fp32 (the iteration's state); factors travel in fp32 too, fp64 for fp64 gradients.
 FACTOR_DTYPE = torch.float32
+
+
+def factor_dtype(residual_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the factors of a bucket whose residual is ``residual_dtype`` are computed and sent in."""
+    return torch.float64 if residual_dtype == torch.float64 else FACTOR_DTYPE
 DEFAULT_RANK = 4
 
 

@@ -14,7 +14,8 @@ error-corrected bucket, ``Q`` its warm-start query, equal on every rank):
 
 A non-finite ``a_i`` on any rank makes the first buffer NaN on every rank (``nan_unless``),
 so the update is NaN everywhere and every rank drops its residual, as for the top-k
-exchanges.  Bytes per rank: ``4 * (sum (n + m) r + rest)``, in two collectives, plus (when the
+exchanges.  The factors travel in the residual's dtype (fp32; fp64 for fp64 gradients).  Bytes per
+rank: ``4 * (sum (n + m) r + rest)``, in two collectives, plus (when the
 state asks for the update's quality) the rank's raw gradient at a shared sample of coordinates,
 divided by N, appended to the second: its sum is the mean gradient there, against which the
 update's cosine is taken (the record's ``quality``; identical on every rank).
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from flexcomm.comm import allreduce_sum, clock, used_on_current_stream
-from flexcomm.compress.lowrank import FACTOR_DTYPE, orthonormalize_
+from flexcomm.compress.lowrank import factor_dtype, orthonormalize_
 from flexcomm.compress.stats import all_finite, cosine, nan_unless
 from flexcomm.exchange.job import BucketJob, Timings, report_timings
 
@@ -36,16 +37,17 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     assert accumulation is not None and low_rank is not None
     split, queries, device = low_rank.split, low_rank.queries, job.grad.device
     matrices, rest = split.views(a)
+    dtype = factor_dtype(a.dtype)
     started = clock.now(device)
-    first = torch.empty(split.p_numel + split.rest_numel, dtype=FACTOR_DTYPE, device=device)
+    first = torch.empty(split.p_numel + split.rest_numel, dtype=dtype, device=device)
     ps = split.factor_views(first, "p")
     for m, q, p in zip(matrices, queries, ps):
-        torch.matmul(m, q, out=p)
+        torch.matmul(m, q.to(dtype), out=p)
     rest_energy = _pack_rest(first[split.p_numel :], rest, n)
     nan_unless(first, accumulation.finite)
     sampled = job.sampled_grad
     extra = 0 if sampled is None else sampled.numel()
-    second = torch.empty(split.q_numel + extra, dtype=FACTOR_DTYPE, device=device)
+    second = torch.empty(split.q_numel + extra, dtype=dtype, device=device)
     if sampled is not None:  # the ranks' g_i / N at the sample ride along: their sum is the mean gradient there
         second[split.q_numel :].copy_(sampled)
     rec.k = first.numel() + second.numel()
@@ -81,7 +83,7 @@ def _pack_rest(out: torch.Tensor, rest: list[torch.Tensor], world_size: int) -> 
     energy = out.new_zeros(())
     offset = 0
     for piece in rest:
-        energy += piece.square().sum(dtype=FACTOR_DTYPE)
+        energy += piece.square().sum(dtype=out.dtype)
         out[offset : offset + piece.numel()].copy_(piece).div_(world_size)
         piece.zero_()
         offset += piece.numel()
@@ -106,7 +108,7 @@ def _apply_update(job: BucketJob, first: torch.Tensor, second: torch.Tensor) -> 
     ps, total_qs = split.factor_views(first, "p"), split.factor_views(second, "q")
     for m, p, total_q, query in zip(matrices, ps, total_qs, low_rank.queries):
         scaled = total_q.t() / n  # divide the thin factor, not the matrix
-        if m.dtype == FACTOR_DTYPE:
+        if m.dtype == p.dtype:
             torch.mm(p, scaled, out=m)
         else:
             m.copy_(torch.mm(p, scaled))

@@ -153,7 +153,7 @@ def test_split_views_and_payload() -> None:
     assert [r.numel() for r in rest] == [48, 15]
     assert split.payload_numel() == (48 + 8) * RANK + 63 + (40 + 27) * RANK
     packed = torch.zeros(split.q_numel)
-    assert [v.shape for v in split.factor_views(packed, "q")] == [(40, RANK), (27, RANK)]
+    assert [v.shape for v in split.factor_views(packed, "q")] == [(RANK, 40), (RANK, 27)]  # Q travels transposed
 
 
 def test_compressible_only_where_factors_are_smaller() -> None:

@@ -6,9 +6,9 @@ error-corrected bucket, ``Q`` its warm-start query, equal on every rank):
 1. ``P_i = M_i Q`` for every matrix, packed with the bucket's other parameters divided by N
    (``rest_i / N``) into one buffer, allreduced (sum) -- the dispatcher thread waits for it,
    so the second allreduce is issued before the next bucket's first collective on every rank;
-2. each ``P`` is orthonormalized (equal on every rank); ``Q_i = M_i^T P``; the residual
+2. each ``P`` is orthonormalized (equal on every rank); ``Q_i^T = P^T M_i``; the residual
    becomes ``M_i - P Q_i^T`` (in place: ``a_i`` is the residual's own buffer) and 0 on the
-   rest, which went whole; the ``Q_i`` are packed and allreduced (sum), asynchronously;
+   rest, which went whole; the ``Q_i^T`` are packed and allreduced (sum), asynchronously;
 3. the update is ``P (sum_i Q_i)^T / N`` on each matrix and ``sum_i rest_i / N`` on the rest,
    written into the (zeroed) bucket; ``sum_i Q_i`` becomes the next step's query.
 
@@ -42,7 +42,8 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     first = torch.empty(split.p_numel + split.rest_numel, dtype=dtype, device=device)
     ps = split.factor_views(first, "p")
     for m, q, p in zip(matrices, queries, ps):
-        torch.matmul(m, q.to(dtype), out=p)
+        # Q laid out (r, m) and read transposed: BLAS streams M once (4.5 against 8 ms at 2500 x 2500).
+        torch.matmul(m, q.to(dtype).t().contiguous().t(), out=p)
     rest_energy = _pack_rest(first[split.p_numel :], rest, n)
     nan_unless(first, accumulation.finite)
     sampled = job.sampled_grad
@@ -55,11 +56,11 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     launched = clock.now(device)
     allreduce_sum(first, job.group).wait()
     reduced = clock.now(device)
-    own_qs = split.factor_views(second, "q")
-    for m, p, q_i in zip(matrices, ps, own_qs):
+    own_qts = split.factor_views(second, "q")
+    for m, p, qt_i in zip(matrices, ps, own_qts):
         orthonormalize_(p)
-        torch.matmul(m.t(), p, out=q_i)
-        m.addmm_(p, q_i.t(), alpha=-1.0)  # e_i = M_i - P Q_i^T: what this rank's projection left behind
+        torch.matmul(p.t(), m, out=qt_i)  # Q_i^T = P^T M_i
+        m.addmm_(p, qt_i, alpha=-1.0)  # e_i = M_i - P Q_i^T: what this rank's projection left behind
     job.outcome.gain = _gain(second[: split.q_numel], rest_energy, accumulation.norm)
     issued = clock.now(device)
 
@@ -105,14 +106,14 @@ def _apply_update(job: BucketJob, first: torch.Tensor, second: torch.Tensor) -> 
     job.outcome.finite = finite = all_finite(first) & all_finite(second[: split.q_numel])
     job.memory.commit(job.index, finite)
     matrices, rest = split.views(grad)
-    ps, total_qs = split.factor_views(first, "p"), split.factor_views(second, "q")
-    for m, p, total_q, query in zip(matrices, ps, total_qs, low_rank.queries):
-        scaled = total_q.t() / n  # divide the thin factor, not the matrix
+    ps, total_qts = split.factor_views(first, "p"), split.factor_views(second, "q")
+    for m, p, total_qt, query in zip(matrices, ps, total_qts, low_rank.queries):
+        scaled = total_qt / n  # divide the thin factor, not the matrix
         if m.dtype == p.dtype:
             torch.mm(p, scaled, out=m)
         else:
             m.copy_(torch.mm(p, scaled))
-        query.copy_(torch.where(finite, total_q, query))
+        query.copy_(torch.where(finite, total_qt.t(), query))
     rest_total, offset = first[split.p_numel :], 0
     for piece in rest:
         piece.copy_(rest_total[offset : offset + piece.numel()])

@@ -151,7 +151,8 @@ def test_split_views_and_payload() -> None:
     matrices[0][0, 0] = -1.0
     assert flat[0] == -1.0  # views, not copies
     assert [r.numel() for r in rest] == [48, 15]
-    assert split.payload_numel() == (48 + 8) * RANK + 63 + (40 + 27) * RANK
+    assert sum(split.payload()) == (48 + 8) * RANK + 63 + (40 + 27) * RANK
+    assert split.payload(1024) == ((48 + 8) * RANK + 63, (40 + 27) * RANK + 1024)
     packed = torch.zeros(split.q_numel)
     assert [v.shape for v in split.factor_views(packed, "q")] == [(RANK, 40), (RANK, 27)]  # Q travels transposed
 

@@ -37,7 +37,7 @@ from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index
 from flexcomm.compress.fused import Accumulation
 from flexcomm.compress.lowrank import DEFAULT_RANK, LowRankQueries
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
-from flexcomm.compress.stats import QUALITY_SAMPLE, sampled, to_host
+from flexcomm.compress.stats import sample_size, sampled, to_host
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
 from flexcomm.cost import Observation
 from flexcomm.exchange import DENSE_EXCHANGES, BucketJob, LeaderPolicy, make_leader_policy
@@ -133,6 +133,9 @@ class FlexState:
         self.step = 0
         self.memory = ResidualMemory()
         self.low_rank = LowRankQueries(rank)
+        # Whether flex may choose the low-rank exchange; whether any exchange here may be low-rank.
+        self._low_rank_choice = roles.exchange is None and lowrank
+        self._low_rank_possible = self._low_rank_choice or roles.exchange == "lowrank"
         self.records: deque[BucketRecord] = deque(maxlen=max_records)
         self.dispatcher = Dispatcher()
         self.streams = ExchangeStreams()
@@ -282,7 +285,8 @@ class FlexState:
     def hand_over(self, bucket: dist.GradBucket) -> HandedBucket:
         """Note a bucket DDP handed over (autograd thread): no collective, no tensor work (on a GPU, one event)."""
         grad, last = bucket.buffer(), bucket.is_last()
-        shapes = tuple(tuple(p.shape) for p in bucket.parameters())
+        # Parameter shapes only where the low-rank exchange can run: it factors them.
+        shapes = tuple(tuple(p.shape) for p in bucket.parameters()) if self._low_rank_possible else ()
         handed = HandedBucket(grad, bucket.index(), self._layout(bucket), self.step, not self._in_step, last,
                               mark_ready(grad), shapes)
         self._in_step = True
@@ -343,9 +347,10 @@ class FlexState:
 
     def _factor_size(self, handed: HandedBucket) -> tuple[int, int] | None:
         """``flex``'s low-rank payload of the bucket (its two allreduces' elements), None where it has no choice of it."""
-        if self.options.roles.exchange is not None or not self.options.lowrank:
+        if not self._low_rank_choice:
             return None
-        return self.low_rank.payload(handed.index, handed.shapes, min(QUALITY_SAMPLE, handed.grad.numel()))
+        split = self.low_rank.split(handed.index, handed.shapes)
+        return split.payload(sample_size(handed.grad.numel())) if split.matrices else None
 
     def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:
         """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work).

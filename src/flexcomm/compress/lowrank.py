@@ -41,12 +41,12 @@ import torch
 
 #: Queries are kept in fp32 (the iteration's state); factors travel in fp32 too, fp64 for fp64 gradients.
 FACTOR_DTYPE = torch.float32
+DEFAULT_RANK = 4
 
 
 def factor_dtype(residual_dtype: torch.dtype) -> torch.dtype:
     """The dtype the factors of a bucket whose residual is ``residual_dtype`` are computed and sent in."""
     return torch.float64 if residual_dtype == torch.float64 else FACTOR_DTYPE
-DEFAULT_RANK = 4
 
 
 def compressible(shape: Sequence[int], rank: int) -> bool:
@@ -95,9 +95,9 @@ class Split:
     def rest_numel(self) -> int:
         return sum(numel for _, numel in self.rest)
 
-    def payload_numel(self) -> int:
-        """Elements a rank sends per step: the P's with the rest, then the Q's."""
-        return self.p_numel + self.rest_numel + self.q_numel
+    def payload(self, extra: int = 0) -> tuple[int, int]:
+        """Elements of the two allreduces: the P's with the rest, then the Q's (with ``extra`` more)."""
+        return self.p_numel + self.rest_numel, self.q_numel + extra
 
     def views(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``flat``'s matrices as ``(n, m)`` views and its other parameters as flat views."""
@@ -111,9 +111,9 @@ class Split:
         faster on CPU than ``M_i^T P`` (5 against 20 ms for a 2500 x 2500 matrix, one thread)."""
         views, offset = [], 0
         for _, n, m in self.matrices:
-            shape = (n, self.rank) if which == "p" else (self.rank, m)
-            views.append(packed[offset : offset + n * self.rank if which == "p" else offset + m * self.rank].view(shape))
-            offset += shape[0] * shape[1]
+            rows, cols = (n, self.rank) if which == "p" else (self.rank, m)
+            views.append(packed[offset : offset + rows * cols].view(rows, cols))
+            offset += rows * cols
         return views
 
 
@@ -155,12 +155,12 @@ class LowRankQueries:
         self.rank = rank
         self.seed = seed
         self._queries: dict[str, torch.Tensor] = {}
-        self._payloads: dict[int, tuple[Any, tuple[int, int] | None]] = {}  # bucket -> (shapes, extra), payload
+        self._splits: dict[int, tuple[tuple[tuple[int, ...], ...], Split]] = {}  # bucket -> (its shapes, their split)
 
     def bucket(self, bucket_index: int, layout: Sequence[tuple[str, int]], shapes: Sequence[Sequence[int]],
                device: torch.device, named: bool) -> LowRankBucket:
         """The bucket's split and the queries of its matrices (drawn at a matrix's first use)."""
-        split = Split.of(shapes, self.rank)
+        split = self.split(bucket_index, shapes)
         queries = []
         for position, (key, _) in enumerate(layout):
             if not compressible(shapes[position], self.rank):
@@ -176,13 +176,12 @@ class LowRankQueries:
             queries.append(query)
         return LowRankBucket(split, queries)
 
-    def payload(self, bucket_index: int, shapes: Sequence[Sequence[int]], extra: int) -> tuple[int, int] | None:
-        """Elements of the bucket's two allreduces (the second with ``extra`` more), None without a matrix to factor."""
-        cached = self._payloads.get(bucket_index)
-        if cached is None or cached[0] != (tuple(map(tuple, shapes)), extra):
-            split = Split.of(shapes, self.rank)
-            size = (split.p_numel + split.rest_numel, split.q_numel + extra) if split.matrices else None
-            cached = self._payloads[bucket_index] = ((tuple(map(tuple, shapes)), extra), size)
+    def split(self, bucket_index: int, shapes: Sequence[Sequence[int]]) -> Split:
+        """The bucket's :class:`Split`, made again only when its parameters' shapes change (a rebuilt bucket)."""
+        key = tuple(map(tuple, shapes))
+        cached = self._splits.get(bucket_index)
+        if cached is None or cached[0] != key:
+            cached = self._splits[bucket_index] = (key, Split.of(shapes, self.rank))
         return cached[1]
 
     def state_dict(self) -> dict[str, Any]:

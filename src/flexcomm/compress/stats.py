@@ -84,11 +84,16 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
 QUALITY_SAMPLE = 1024
 
 
-def sample_positions(numel: int, step: int, size: int = QUALITY_SAMPLE) -> slice:
-    """A strided sample of ``min(size, numel)`` positions of a bucket, the same on every rank, moving with ``step``."""
-    stride = max(1, numel // size)
+def sample_size(numel: int) -> int:
+    """How many positions of a ``numel``-element bucket :func:`sample_positions` takes."""
+    return min(QUALITY_SAMPLE, numel)
+
+
+def sample_positions(numel: int, step: int) -> slice:
+    """A strided sample of :func:`sample_size` positions of a bucket, the same on every rank, moving with ``step``."""
+    stride = max(1, numel // QUALITY_SAMPLE)
     start = step % stride
-    return slice(start, start + stride * min(size, numel), stride)
+    return slice(start, start + stride * sample_size(numel), stride)
 
 
 def sampled(grad: torch.Tensor, step: int, world_size: int) -> tuple[slice, torch.Tensor]:

@@ -66,7 +66,6 @@ def backed_off(scale: int, plan_changed: bool, waiting: bool, confirmed: bool) -
     return min(2 * scale, MAX_BACKOFF) if confirmed else scale
 
 
-
 def at_least_measured(costs: Sequence[BucketCosts], order: Sequence[int], last_measured: Mapping[tuple[int, str], float],
                       measured_at: Mapping[tuple[int, str], tuple[float, int]], density: float, world: int) -> list[BucketCosts]:
     """``costs`` (in ``order``) where a pair costs at least ``last_measured`` -- if measured at this world size

@@ -20,8 +20,8 @@ every rank in the same order:
 So at an agreement point nothing stands between the first bucket's work and its exchange
 but the wait for an allreduce issued one optimizer step, forward and backward earlier.
 Probes (at start, then every ``probe_every`` steps within a budget, :mod:`flexcomm.control.probing`)
-still run at the step's first bucket: they time a quiet link,
-and at the previous step's end its last exchanges still use it.
+still run at the step's first bucket: they time a quiet link, and at the previous step's end
+its last exchanges still use it.
 
 Every decision is a deterministic function of the step counter and of values every rank
 received in the same collective, so every rank decides alike:

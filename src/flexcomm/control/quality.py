@@ -64,4 +64,3 @@ def quality_factor(quality: float) -> float:
     if not math.isfinite(quality):
         return 1.0
     return 1.0 / min(1.0, max(MIN_QUALITY, quality))
-

@@ -91,9 +91,9 @@ def _pack_rest(out: torch.Tensor, rest: list[torch.Tensor], world_size: int) -> 
     return energy
 
 
-def _gain(own_qs: torch.Tensor, rest_energy: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+def _gain(own_qts: torch.Tensor, rest_energy: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     """``||sent part of a_i|| / ||a_i||``: ``||P Q_i^T||^2 = ||Q_i||^2`` (P orthonormal), plus the rest, sent whole."""
-    sent = (own_qs.square().sum() + rest_energy).sqrt()
+    sent = (own_qts.square().sum() + rest_energy).sqrt()
     return torch.where(norm == 0, torch.zeros_like(norm), sent / norm)
 
 

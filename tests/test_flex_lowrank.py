@@ -119,6 +119,18 @@ def test_the_low_rank_steps_factor_is_one_over_its_measured_quality() -> None:
     assert restored.costs(0, 0.01, 2).factor == chooser.costs(0, 0.01, 2).factor
 
 
+def test_a_bucket_s_untried_local_work_is_scaled_from_another_bucket_s_measured_rate() -> None:
+    chooser = chooser_on(1e9)
+    chooser.note_sizes(1, 3_000_000, 4, (60_000, 60_000))
+    assert chooser.costs(1, 0.01, 2).block["lowrank"] == 0.0  # measured nowhere: it gets tried
+    chooser.observe(1, [StepSample(0, "lowrank", 0.01, 0.02, 0.001, 0.0, quality=0.8),
+                        StepSample(1, "dense16", 0.01, 0.006, 0.01, 0.0)], 2)
+    assert chooser.costs(1, 0.01, 2).block["lowrank"] == pytest.approx(0.06)  # 3x the elements, 3x the work
+    assert chooser.costs(0, 0.01, 2).block["dense16"] == pytest.approx(0.002)
+    assert chooser.costs(0, 0.01, 2).block["lowrank"] == pytest.approx(0.02)  # its own measurement
+    assert chooser.costs(0, 0.01, 2).block["agtopk"] == 0.0  # no sparse exchange measured yet
+
+
 @pytest.mark.parametrize(("quality", "chosen"), [(0.9, "lowrank"), (0.1, "artopk")])
 def test_a_slow_link_takes_low_rank_only_where_its_quality_pays_for_its_bytes(quality: float, chosen: str) -> None:
     # 20 Mbit/s, a 1M-float bucket at density 0.01: AR-Topk sends 40 KB of indices and 40 KB of

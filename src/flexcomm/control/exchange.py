@@ -217,14 +217,17 @@ class ExchangeChooser:
         return own_or_mean(self._factor, bucket, "artopk")
 
     def _block_for(self, bucket: int, exchange: str, numel: int) -> float:
-        if exchange not in SPARSE:
-            # dense: nothing; dense16: its casts, 0 until measured (optimistic: it gets tried).
-            return self._block.get((bucket, exchange), 0.0)
+        """The bucket's measured local work of ``exchange``, else the slowest per-element rate measured on another
+        bucket by an exchange of its kind (any sparse one for a sparse exchange) times ``numel``, else 0
+        (optimistic: it gets tried).  Without the scaled rate every bucket's first low-rank trial was rated at
+        its collectives alone: 1-8 ms predicted against 40-80 ms of factoring per 6.25M-float bucket
+        (``benchmarks/flex_step.py``), tried again on each bucket."""
         own = self._block.get((bucket, exchange))
         if own is not None:
             return own
-        # Selection work grows with the bucket: scale the slowest measured rate of a sparse exchange.
-        rates = [t / self.sizes[b][0] for (b, e), t in sorted(self._block.items()) if e in SPARSE]
+        kin = SPARSE if exchange in SPARSE else (exchange,)
+        rates = [t / self.sizes[b][0] for (b, e), t in sorted(self._block.items())
+                 if e in kin and b in self.sizes and self.sizes[b][0] > 0]
         return max(rates) * numel if rates else 0.0
 
     # -- decisions ------------------------------------------------------------------------

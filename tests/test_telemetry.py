@@ -63,6 +63,15 @@ def test_all_dense_step_has_density_one_and_no_prediction_without_a_model() -> N
     assert telemetry.step_metrics([]) == {}
 
 
+def test_quality_is_the_mean_over_the_buckets_that_measured_it() -> None:
+    records = _mixed_step()
+    records[1].exchange, records[1].quality = "lowrank", 0.5
+    records[2].exchange, records[2].quality = "lowrank", 0.75
+    values = telemetry.step_metrics(records)
+    assert values["flexcomm/quality"] == 0.625 and values["flexcomm/share_lowrank"] == 2 / 3
+    assert "flexcomm/quality" not in telemetry.step_metrics(_mixed_step())
+
+
 def test_newest_step_is_the_tail_that_shares_the_last_step() -> None:
     older, newest = _mixed_step(step=4), _mixed_step(step=5)
     assert telemetry.newest_step(older + newest) == newest

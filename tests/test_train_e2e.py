@@ -61,6 +61,15 @@ def test_tiny_run_and_report(tmp_path: Path, capfd: pytest.CaptureFixture[str]) 
     assert "| run | alexnet x0.05 | artopk-star |" in table
 
 
+def test_the_report_plots_measured_quality_where_a_run_records_it_without_a_gain(tmp_path: Path) -> None:
+    records = [{"step": i, "gain": None, "quality": 0.8} for i in range(4)]
+    quality_only = report.Run(tmp_path, "lowrank", records, {}, None, True)
+    no_statistic = report.Run(tmp_path, "dense", [{"step": 0, "gain": None, "quality": None}], {}, None, True)
+    assert report.plot_gain([quality_only], tmp_path / "gain.png") == tmp_path / "gain.png"
+    assert (tmp_path / "gain.png").stat().st_size > 0
+    assert report.plot_gain([no_statistic], tmp_path / "none.png") is None
+
+
 def test_rank_failure_is_reported(tmp_path: Path) -> None:
     """Both ranks fail to find their data (the CLI's checks are bypassed on purpose)."""
     cfg = TrainConfig(dataset="npz", data_dir=str(tmp_path / "missing"), net="none", steps=3, timeout=30)

@@ -34,6 +34,9 @@ Keys of the newest step (from its :class:`~flexcomm.BucketRecord` list; present 
                                         ``flex`` and ``density="auto"`` only.  The agreed
                                         (predicted, measured) pairs without queueing are in
                                         ``state.planner.prediction_log``.
+``flexcomm/quality``                    ``cos(update, mean gradient)`` on the shared sample, mean over
+                                        the step's buckets that measured it (``flex``'s low-rank
+                                        exchanges; agreed on every rank); absent where none did.
 
 Keys of the decisions (agreed on every rank; present once there is one):
 
@@ -140,6 +143,9 @@ def step_metrics(records: Sequence[BucketRecord]) -> dict[str, float]:
     predicted = [r.predicted for r in records]
     if all(math.isfinite(p) for p in predicted):
         values["predicted_exchange_time_s"] = sum(predicted)
+    qualities = [r.quality for r in records if math.isfinite(r.quality)]
+    if qualities:
+        values["quality"] = sum(qualities) / len(qualities)
     return _prefixed(values)
 
 

@@ -6,7 +6,8 @@ Written into the first directory (or ``--out``):
 ``step_time.png``  where a step's time goes (compute, compression, waiting for
                    communication, optimizer; the paper's Fig. 1a) and step time over
                    the run, with the emulated network's rate changes;
-``gain.png``       compression gain over training (Fig. 3), runs that record it;
+``gain.png``       compression gain over training (Fig. 3) and, for ``flex`` runs that sent low-rank
+                   factors, the measured quality ``cos(update, mean gradient)``; runs that record them;
 ``leaders.png``    share of AR-Topk index-source selections per rank (Fig. 4, STAR vs VAR);
 ``summary.md``     one table row per run.
 
@@ -159,20 +160,26 @@ def _mark_rate_changes(ax: Any, runs: list[Run]) -> None:
         )
 
 
+#: Per-step statistics of what an exchange delivered, one panel each in ``gain.png``: (record key, axis, title).
+STATISTICS = (("gain", "compression gain ||C(a)|| / ||a||", "compression gain over training"),
+              ("quality", "cos(update, mean gradient) on the sample", "measured quality (flex's low-rank exchanges)"))
+
+
 def plot_gain(runs: list[Run], path: Path) -> Path | None:
-    with_gain = [run for run in runs if any(r.get("gain") is not None for r in run.records)]
-    if not with_gain:
+    """One panel per statistic that some run records (trailing mean), every such run on it."""
+    panels = [(key, axis, title, [run for run in runs if any(r.get(key) is not None for r in run.records)])
+              for key, axis, title in STATISTICS]
+    panels = [panel for panel in panels if panel[3]]
+    if not panels:
         return None
-    fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.subplots()
-    for run in with_gain:
-        points = [(r["step"], r["gain"]) for r in run.records if r.get("gain") is not None]
-        steps, gains = zip(*points)
-        ax.plot(steps, trailing_mean(list(gains)), label=run.name)
-    ax.set(xlabel="step", ylabel="compression gain ||C(a)|| / ||a||", title="compression gain over training",
-           ylim=(0, 1.05))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    fig = Figure(figsize=(7 * len(panels), 4.2), layout="constrained")
+    for ax, (key, axis, title, recorded) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        for run in recorded:
+            steps, values = zip(*[(r["step"], r[key]) for r in run.records if r.get(key) is not None])
+            ax.plot(steps, trailing_mean(list(values)), label=run.name)
+        ax.set(xlabel="step", ylabel=axis, title=title, ylim=(0, 1.05))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     fig.savefig(path, dpi=110)
     return path
 

@@ -11,7 +11,8 @@ Checks, each PASS/FAIL in ``benchmarks/results/gpu_check.json`` (``gpu_check_cpu
 for ``--cpu``):
 
 * ``invariants/<compressor>/<dtype>``: every compressor x {fp32, bf16, fp16} on a model
-  with one bucket per parameter whose gradients are known, forward and backward inside
+  with one bucket per parameter whose gradients are known (a 64 x 48 matrix each for
+  ``lowrank``, which factors matrices and sends vectors whole), forward and backward inside
   a user stream, a ``torch.cuda._sleep`` before every exchange (a missed stream wait
   shows as stale data): every rank holds the same update bit for bit each step, and
   nothing is lost or counted twice -- ``sum of gradients == N * sum of updates + sum of
@@ -21,7 +22,8 @@ for ``--cpu``):
 * ``replicas``: an MLP trained 200 steps with ``flex`` + ``density="auto"`` has the
   same parameters on every rank (hash);
 * ``host_syncs`` (CUDA): ``torch.cuda.set_sync_debug_mode("warn")`` over steady-state
-  steps: host synchronisations per step (the state reads the step's outcomes once);
+  steps of every compressor (``lowrank`` included: its QR may sync): host synchronisations
+  per step (the state reads the step's outcomes once);
 * ``timing`` (CUDA): a dense bucket's recorded exchange time within 2x of a CUDA-event
   timed allreduce of the same size;
 * ``memory`` (CUDA): peak memory with AR-Topk at most plain DDP's plus the gradient bytes
@@ -40,6 +42,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -59,12 +62,13 @@ from flexcomm.comm import control_device
 from flexcomm.compress import k_for
 from flexcomm.exchange import EXCHANGES
 
-COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex", "flex-dense16")
+COMPRESSORS = ("dense", "agtopk", "mstopk", "artopk-star", "artopk-var", "flex", "flex-dense16", "lowrank")
 #: The invariants' flex runs without dense16 (exact error feedback); ``flex-dense16`` with it, whose
 #: fp16 rounding is not fed back: it is held to fp16's tolerance whatever the gradient's dtype.
 SETTINGS = {"flex": {"compressor": "flex", "dense16": False}, "flex-dense16": {"compressor": "flex"}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BUCKETS, NUMEL, DENSITY, STEPS = 6, 1 << 14, 0.02, 12
+MATRIX = (64, 48)  # the low-rank invariants' parameter: a matrix its rank-4 factors make 7x smaller
 SLEEP_CYCLES = 2_000_000  # ~1 ms on a current GPU: long enough for a race to show
 
 
@@ -139,17 +143,18 @@ def _slow_down_exchanges() -> None:
 class _KnownGradients(nn.Module):
     """``loss = sum_j sum(w_j * g_j)``: each parameter's gradient is exactly ``g_j``."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, shape: tuple[int, ...] = (NUMEL,)) -> None:
         super().__init__()
-        self.weights = nn.ParameterList([nn.Parameter(torch.zeros(NUMEL, dtype=dtype, device=device)) for _ in range(BUCKETS)])
+        self.weights = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(BUCKETS)])
 
     def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return sum((w * g).sum() for w, g in zip(self.weights, grads))
 
 
-def _gradients(rank: int, step: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def _gradients(rank: int, step: int, dtype: torch.dtype, device: torch.device,
+               shape: tuple[int, ...] = (NUMEL,)) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return [(torch.randn(NUMEL, generator=gen) * (j + 1)).to(dtype).to(device) for j in range(BUCKETS)]
+    return [(torch.randn(shape, generator=gen) * (j + 1)).to(dtype).to(device) for j in range(BUCKETS)]
 
 
 def _in_user_stream(device: torch.device) -> contextlib.AbstractContextManager:
@@ -163,26 +168,28 @@ def _in_user_stream(device: torch.device) -> contextlib.AbstractContextManager:
 
 def _invariants(name: str, label: str, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(_KnownGradients(dtype, device), bucket_cap_mb=NUMEL * 2 / 2**20 / 2)
+    shape = MATRIX if name == "lowrank" else (NUMEL,)
+    numel = math.prod(shape)  # below, each parameter's gradient, update and residual are flat
+    model = DDP(_KnownGradients(dtype, device, shape), bucket_cap_mb=numel * 2 / 2**20 / 2)
     state = flexcomm.register(model, density=1.0 if name == "dense" else DENSITY, **SETTINGS.get(name, {"compressor": name}))
-    model([torch.zeros(NUMEL, dtype=dtype, device=device)] * BUCKETS).backward()  # DDP's bucket rebuild
-    total_grads = torch.zeros(BUCKETS, NUMEL, dtype=torch.float64)
-    total_updates = torch.zeros(BUCKETS, NUMEL, dtype=torch.float64)
+    model([torch.zeros(shape, dtype=dtype, device=device)] * BUCKETS).backward()  # DDP's bucket rebuild
+    total_grads = torch.zeros(BUCKETS, numel, dtype=torch.float64)
+    total_updates = torch.zeros(BUCKETS, numel, dtype=torch.float64)
     same, updates = True, []
     for step in range(STEPS):
-        grads = _gradients(rank, step, dtype, device)
+        grads = _gradients(rank, step, dtype, device, shape)
         model.zero_grad(set_to_none=True)
         with _in_user_stream(device):
             model(grads).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        update = torch.stack([w.grad.detach().double().cpu() for w in model.module.weights])
+        update = torch.stack([w.grad.detach().double().cpu().flatten() for w in model.module.weights])
         updates.append(update)
         same &= _same_on_every_rank(update)
         for r in range(world):
-            total_grads += torch.stack([g.double().cpu() for g in _gradients(r, step, dtype, torch.device("cpu"))])
+            total_grads += torch.stack([g.double().flatten() for g in _gradients(r, step, dtype, torch.device("cpu"), shape)])
         total_updates += update
-    residual = torch.zeros(BUCKETS, NUMEL, dtype=torch.float64)
+    residual = torch.zeros(BUCKETS, numel, dtype=torch.float64)
     pieces = state.memory.state_dict()["pieces"]  # per parameter name (buckets run in reverse order)
     for j in range(BUCKETS):
         if f"weights.{j}" in pieces:

@@ -44,6 +44,7 @@ from typing import Any
 from flexcomm.control.calibration import Calibration
 from flexcomm.control.exploration import at_least_measured, backed_off, exploration
 from flexcomm.control.guard import arm_exchange, guard_trial, smoothed_periods
+from flexcomm.control.measurements import StepSample
 from flexcomm.control.quality import quality_factor, steps_factor
 from flexcomm.control.step_model import EXCHANGE_ORDER, LOW_RANK, SPARSE, BucketCosts, best_plan, simulate_step
 from flexcomm.control.tables import own_or_mean, pairs, unpairs
@@ -61,23 +62,6 @@ class Choice:
     predicted: dict[str, float]
     #: Whether this is an exploration: not the plan a guard or the model chose for the step.
     explored: bool = False
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One bucket exchange of one step at ``density``, agreed across ranks."""
-
-    bucket: int
-    exchange: str
-    density: float
-    block: float
-    comm: float
-    gap: float
-    #: Smallest and largest energy fraction sent over ranks (NaN: unknown); see :mod:`flexcomm.control.quality`.
-    kept_min: float = math.nan
-    kept_max: float = math.nan
-    #: ``cos(update, mean gradient)`` on a sample, the same on every rank (NaN: not measured).
-    quality: float = math.nan
 
 
 class ExchangeChooser:

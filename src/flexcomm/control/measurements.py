@@ -29,6 +29,23 @@ Key = tuple[int, int]
 
 
 @dataclass(frozen=True)
+class StepSample:
+    """One bucket exchange of one step at ``density``, agreed across ranks."""
+
+    bucket: int
+    exchange: str
+    density: float
+    block: float
+    comm: float
+    gap: float
+    #: Smallest and largest energy fraction sent over ranks (NaN: unknown); see :mod:`flexcomm.control.quality`.
+    kept_min: float = math.nan
+    kept_max: float = math.nan
+    #: ``cos(update, mean gradient)`` on a sample, the same on every rank (NaN: not measured).
+    quality: float = math.nan
+
+
+@dataclass(frozen=True)
 class AgreedSample:
     """A local sample with the agreed times: service and gap the min over ranks, block the max;
     the smallest and largest energy fraction kept over ranks (NaN: some rank does not know it)."""
@@ -39,6 +56,12 @@ class AgreedSample:
     block: float
     kept_min: float = math.nan
     kept_max: float = math.nan
+
+    def step_sample(self) -> StepSample:
+        """What the exchange chooser learns from: the exchange with its agreed times, energies and quality."""
+        s = self.sample
+        return StepSample(s.bucket, s.exchange, s.density, self.block, self.service, self.gap,
+                          self.kept_min, self.kept_max, s.quality)
 
 
 def measurement_vector(expected: Sequence[Key], local: Sequence[LocalSample], periods: Sequence[float]) -> list[float]:

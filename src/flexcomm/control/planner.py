@@ -70,9 +70,9 @@ import torch.distributed as dist
 
 from flexcomm.comm import probe_collectives
 from flexcomm.compress import TopkWorkspace
-from flexcomm.compress.gain import kept_energy, total_energy
 from flexcomm.control.density import DensityController
-from flexcomm.control.exchange import ExchangeChooser, StepSample
+from flexcomm.control.exchange import ExchangeChooser
+from flexcomm.control.gain_curve import GainCurve
 from flexcomm.control.agreement_point import AgreementPoint
 from flexcomm.control.measurements import AgreedSample
 from flexcomm.control.periods import RecentPeriods, StepPeriods
@@ -85,9 +85,6 @@ from flexcomm.cost import CostEstimator, Observation, probe_time
 #: keeps.  Each is ~130 bytes of Python objects; 10,000 of them took a long run's first
 #: 10,000 samples to fill and read as 1-2 MB of growth per rank (benchmarks/memory_growth.py).
 PREDICTION_LOG = 2_000
-#: A period whose plan the model, once it learned from those steps, simulates this many times
-#: slower or faster than when they ran spans a change of link: it is not used (see ``_update_density``).
-REGIME_CHANGE = 1.5
 
 
 @dataclass(frozen=True)
@@ -155,12 +152,8 @@ class StepPlanner:
         self.prediction_log: deque[tuple[str, float, float]] = deque(maxlen=PREDICTION_LOG)
         #: The step of the last probe (``None`` before the first).
         self.probed_at: int | None = None
-        self.measuring_gain = False
-        # Gain curve of this step (density="auto"): kept energy per candidate, then the total.
-        self._gain_energy: list[float] | None = None
-        # The last agreed gain of every candidate (density="auto"), and the step it was agreed at.
-        self._gains: list[float] | None = None
-        self._gains_at: int | None = None
+        #: ``density="auto"``'s gain curve: this step's energies and the last agreed gains.
+        self.gain_curve = GainCurve()
         # (period, simulated) agreed at this agreement point per density, for the density decision.
         self._new_periods: dict[float, tuple[float, float]] = {}
         # The next agreement point's collectives, issued at the end of the step before it.
@@ -175,6 +168,11 @@ class StepPlanner:
     def estimating(self) -> bool:
         """Whether decisions need the online cost estimate (``flex`` or ``auto``)."""
         return self.exchange is None or self.controller is not None
+
+    @property
+    def measuring_gain(self) -> bool:
+        """Whether this step's buckets add to the gain curve (:meth:`observe_gain`)."""
+        return self.gain_curve.measuring
 
     @property
     def world_size(self) -> int:
@@ -200,10 +198,11 @@ class StepPlanner:
         if self.controller:
             energy = agreement.gain_energy() if agreement else None
             if energy is not None:
-                self._observe_gains(step, energy)
+                self.gain_curve.agree(step, energy)
             if self._agrees_at(step):
                 self._update_density(step)  # the one decision of this agreement point
-            self.measuring_gain = self._agrees_at(step + 1) and self.controller.measure_due(step + 1, self._gains_at)
+            self.gain_curve.measuring = (self._agrees_at(step + 1)
+                                         and self.controller.measure_due(step + 1, self.gain_curve.agreed_at))
         if learned or self.chooser.plan_density != self.density:
             self.chooser.replan(self.density, self.world_size)  # never run a plan made for another density
             if self.controller:
@@ -229,16 +228,16 @@ class StepPlanner:
         if not self.estimating:
             return
         measure = self._agrees_at(step + 1) and bool(self._expected)
-        if not measure and self._gain_energy is None:
+        energy = self.gain_curve.take_energy()
+        if not measure and energy is None:
             return
         candidates = self.controller.candidates if self.controller else ()
         periods = self._recent.medians(candidates) if measure else None
         self._agreement = AgreementPoint.issue(self._expected if measure else [], self._pending if measure else [],
-                                               periods, self._gain_energy, self.group)
+                                               periods, energy, self.group)
         if measure:
             self._pending, self._expected = [], []
             self._recent.clear()
-        self._gain_energy = None
 
     def _close_step(self) -> None:
         """Move the finished step's samples and period to the pending measurements."""
@@ -288,8 +287,7 @@ class StepPlanner:
     def observe_gain(self, bucket_index: int, accumulated: torch.Tensor, workspace: TopkWorkspace) -> None:
         """Add one bucket's kept energy per candidate density (and its total) to this step's curve."""
         assert self.controller is not None
-        energy = kept_energy(accumulated, self.controller.candidates, workspace) + [total_energy(accumulated)]
-        self._gain_energy = energy if self._gain_energy is None else [a + b for a, b in zip(self._gain_energy, energy)]
+        self.gain_curve.add(accumulated, self.controller.candidates, workspace)
 
     def observe_exchange(self, step: int, bucket_index: int, observation: Observation, t_compress: float | None) -> None:
         """Note a finished exchange: its collective's sample and its local work (0 for dense)."""
@@ -306,23 +304,12 @@ class StepPlanner:
         if self.estimating:
             self._log.measured_quality(step, bucket_index, quality)
 
-    def _observe_gains(self, step: int, energy: Sequence[float]) -> None:
-        """The gain curve measured at the previous step, summed over ranks."""
-        *kept, total = energy
-        if not all(math.isfinite(e) for e in energy) or total <= 0.0:
-            return  # a non-finite or all-zero step says nothing about the trade-off
-        self._gains = [math.sqrt(k / total) for k in kept]
-        self._gains_at = step
-
     def _update_density(self, step: int) -> None:
         """The controller's decision on the last agreed gains and every candidate's predicted step period.
 
         Every candidate is predicted from the periods measured at its own density, each paired
-        with the simulated step the model gave when those steps ran (:mod:`flexcomm.control.periods`).
-        A period is dropped when the model now simulates the plan it ran more than ``REGIME_CHANGE``
-        times slower or faster than then: the link changed while it ran.  (Kept, 114 ms of dense
-        steps after a drop to 100 Mbit, paired with the 1 Gbit model's 11 ms, left that density's
-        prediction 2-8x too slow once the link came back.)
+        with the simulated step the model gave when those steps ran (:mod:`flexcomm.control.periods`;
+        a period over which the link changed is dropped there).
         """
         assert self.controller is not None
         candidates = self.controller.candidates
@@ -332,13 +319,11 @@ class StepPlanner:
         if not all(math.isfinite(t) for t in simulated):
             return
         for density, (period, ran_under) in new.items():
-            now = self._simulated_as_ran(density, simulated[candidates.index(density)])
-            if ran_under and not ran_under / REGIME_CHANGE <= now <= ran_under * REGIME_CHANGE:
-                continue
-            # A step that ran before the model knew any bucket (step 0) pairs with the model now.
-            self.periods.observe(step, density, period, ran_under or now)
-        if self._gains is not None:
-            self.controller.update(step, self._gains, self.periods.predict(candidates, simulated), self._gains_at)
+            self.periods.agreed(step, density, period, ran_under,
+                                self._simulated_as_ran(density, simulated[candidates.index(density)]))
+        curve = self.gain_curve
+        if curve.gains is not None:
+            self.controller.update(step, curve.gains, self.periods.predict(candidates, simulated), curve.agreed_at)
 
     def _simulated_as_ran(self, density: float, best: float) -> float:
         """The simulated step, under the model now, of the plan that ran at ``density``: flex's plan in
@@ -368,7 +353,7 @@ class StepPlanner:
         self.chooser.sizes = {a.sample.bucket: (a.sample.numel, a.sample.value_bytes) for a in agreed
                               if a.sample.step == last}
         for step in sorted({a.sample.step for a in agreed}):
-            self.chooser.observe(step, [_step_sample(a) for a in agreed
+            self.chooser.observe(step, [a.step_sample() for a in agreed
                                         if a.sample.step == step and a.sample.bucket in self.chooser.sizes],
                                  self.world_size)
         self.prediction_log.extend((a.sample.exchange, a.sample.predicted, a.block + a.service) for a in agreed
@@ -388,10 +373,7 @@ class StepPlanner:
             "chooser": self.chooser.state_dict(),
             "probed_at": self.probed_at,
             "controller": self.controller.state_dict() if self.controller else None,
-            "gains": self._gains,
-            "gains_at": self._gains_at,
-            "gain_energy": self._gain_energy,
-            "measuring_gain": self.measuring_gain,
+            **self.gain_curve.state_dict(),
             "periods": self.periods.state_dict(),
             "pending": [sample_row(s) for s in self._pending],
             "expected": [list(key) for key in self._expected],
@@ -407,8 +389,7 @@ class StepPlanner:
             raise ValueError("checkpoint and this run disagree on density='auto'")
         self.chooser.load_state_dict(state["chooser"])
         self.probed_at = state["probed_at"]
-        self._gains, self._gains_at = state["gains"], state["gains_at"]
-        self._gain_energy, self.measuring_gain = state["gain_energy"], state["measuring_gain"]
+        self.gain_curve.load_state_dict(state)
         if self.controller:
             self.controller.load_state_dict(state["controller"])
         self.periods.load_state_dict(state["periods"])
@@ -420,9 +401,4 @@ class StepPlanner:
         self._log.load_state_dict(state["open_step"])
         agreement = state.get("agreement")  # absent from states saved before agreements were issued early
         self._agreement = None if agreement is None else AgreementPoint.from_state(agreement)
-
-
-def _step_sample(a: AgreedSample) -> StepSample:
-    s = a.sample
-    return StepSample(s.bucket, s.exchange, s.density, a.block, a.service, a.gap, a.kept_min, a.kept_max, s.quality)
 

@@ -142,6 +142,19 @@ def test_a_slow_link_takes_low_rank_only_where_its_quality_pays_for_its_bytes(qu
     assert chooser.plan[0] == chosen
 
 
+@pytest.mark.parametrize(("quality", "plan"), [(0.8, "dense16"), (1.0, "lowrank")])
+def test_the_guard_charges_the_plan_s_steps_factor_against_all_dense_steps(quality: float, plan: str) -> None:
+    # The model rates low-rank far faster than dense16 at 20 Mbit; measured, whole steps of the plan
+    # and of all-dense16 took the same time.  At quality 0.8 the plan's steps cost 1.25x as many: all-dense.
+    chooser = chooser_on(20e6, payload=(5_000, 5_000))
+    chooser.observe(1, [lowrank_sample(chooser, quality)], 2)
+    chooser.replan(0.01, 2)
+    assert chooser.plan[0] == "lowrank"
+    chooser.observe_steps(step=20, dense=0.1, other=0.1)
+    chooser.replan(0.01, 2)
+    assert chooser.plan[0] == plan
+
+
 def test_at_density_one_low_rank_stands_for_dense_where_dense_is_slow() -> None:
     slow, fast = chooser_on(20e6, payload=(5_000, 5_000)), chooser_on(100e9, payload=(5_000, 5_000))
     for chooser in (slow, fast):

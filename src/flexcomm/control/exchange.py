@@ -46,7 +46,8 @@ from flexcomm.control.exploration import at_least_measured, backed_off, explorat
 from flexcomm.control.guard import arm_exchange, guard_trial, smoothed_periods
 from flexcomm.control.measurements import StepSample
 from flexcomm.control.quality import quality_factor, steps_factor
-from flexcomm.control.step_model import EXCHANGE_ORDER, LOW_RANK, SPARSE, BucketCosts, best_plan, simulate_step
+from flexcomm.control.step_model import (EXCHANGE_ORDER, LOW_RANK, SPARSE, BucketCosts, best_plan, plan_factor,
+                                         simulate_step)
 from flexcomm.control.tables import own_or_mean, pairs, unpairs
 from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, lowrank_time, predict_exchange_times
 
@@ -220,7 +221,7 @@ class ExchangeChooser:
 
         The guard: the simulation leaves out that collectives and compute share the CPU, so
         when whole all-dense steps (plain DDP's behaviour) measured faster than the plan's
-        steps, the plan is all-dense, whatever the simulation says.
+        steps times the plan's steps factor, the plan is all-dense, whatever the simulation says.
         """
         if not self.order:
             return
@@ -234,7 +235,8 @@ class ExchangeChooser:
         self._simulated_plan = {b: old if b in self._wanted else new for b, old, new in zip(self.order, current, proposed)}
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
-        if dense and other and dense[0] < other[0] * (1.0 - self.hysteresis):
+        factor = plan_factor(costs, [self.plan[b] for b in self.order])
+        if dense and other and dense[0] < other[0] * factor * (1.0 - self.hysteresis):
             self.plan = self._guard_plan()
         # A new density is a new plan, whatever its exchange names: its pairs were measured at another.
         changed = self.plan != before or density != density_before

@@ -16,6 +16,12 @@ rated fast because the fp32 bucket "hid" behind backward, ran 20-21 ms steps aga
 all-dense16 for 50 steps at 1 Gbit, and the trials ran 27-32 ms fp32 steps (MLP group, seed 3,
 at 809c9e4).
 
+The comparison is in the planner's units, time to accuracy: a plan period is charged the plan's
+steps factor (:func:`~flexcomm.control.step_model.plan_factor`; low-rank and AR-Topk buckets send
+less than each rank's own top-k), the all-dense steps none.  Compared raw, a plan of dense16 and
+low-rank buckets (quality 0.8-0.9) whose steps measured as fast as all-dense16 ones (17 ms at
+1 Gbit, MLP group) kept its 1.1-1.25x steps where PyTorch's fp16 hook reached the target first.
+
 A period takes a new value whole when it differs from the old one by more than a factor
 ``JUMP``: a change of regime (a link that dropped or came back), not noise to average away.
 """
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from flexcomm.control.step_model import BucketCosts, simulate_step
+from flexcomm.control.step_model import BucketCosts, plan_cost
 from flexcomm.cost import HALF_BYTES
 
 #: The guard tries all-dense steps only while the model rates them within this factor of the plan's:
@@ -77,7 +83,8 @@ def guard_trial(step: int, every: int, plan: Mapping[int, str], simulated: Mappi
 
     Every ``every`` steps (0: never), ``GUARD_TRIAL_STEPS`` steps run the plan the guard is not
     using: the ``simulated`` plan while the plan in force is the ``arm`` (all-dense), else the arm
-    if the model (``costs``, in hook order) rates it within ``GUARD_MARGIN`` of the plan.
+    if the model (``costs``, in hook order) rates it within ``GUARD_MARGIN`` of the plan, each charged
+    its steps factor (:func:`~flexcomm.control.step_model.plan_cost`).
     """
     order = sorted(arm)
     if not every or step % every >= GUARD_TRIAL_STEPS or set(plan) != set(order):
@@ -85,5 +92,5 @@ def guard_trial(step: int, every: int, plan: Mapping[int, str], simulated: Mappi
     if plan == arm:
         return simulated if set(simulated) == set(order) and simulated != arm else None
     buckets = costs()
-    planned = simulate_step(buckets, [plan[b] for b in order])
-    return arm if simulate_step(buckets, [arm[b] for b in order]) <= GUARD_MARGIN * planned else None
+    planned = plan_cost(buckets, [plan[b] for b in order])
+    return arm if plan_cost(buckets, [arm[b] for b in order]) <= GUARD_MARGIN * planned else None

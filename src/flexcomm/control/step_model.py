@@ -70,11 +70,15 @@ def simulate_step(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> floa
     return max(t, free)
 
 
-def plan_cost(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> float:
-    """:func:`simulate_step` times the size-weighted mean steps factor of ``choice``: time to accuracy, relatively."""
+def plan_factor(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> float:
+    """The size-weighted mean steps factor of ``choice``: how many more steps its updates cost (1: none)."""
     weight = sum(b.weight for b in buckets)
-    factor = sum(b.weight * b.factor.get(e, 1.0) for b, e in zip(buckets, choice)) / weight if weight > 0 else 1.0
-    return simulate_step(buckets, choice) * factor
+    return sum(b.weight * b.factor.get(e, 1.0) for b, e in zip(buckets, choice)) / weight if weight > 0 else 1.0
+
+
+def plan_cost(buckets: Sequence[BucketCosts], choice: Sequence[str]) -> float:
+    """:func:`simulate_step` times :func:`plan_factor` of ``choice``: time to accuracy, relatively."""
+    return simulate_step(buckets, choice) * plan_factor(buckets, choice)
 
 
 def best_plan(buckets: Sequence[BucketCosts], current: Sequence[str], hysteresis: float) -> list[str]:

@@ -20,7 +20,6 @@ the optimizer step and the next forward, not before the next step's first exchan
 from __future__ import annotations
 
 import math
-import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -37,12 +36,12 @@ from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index
 from flexcomm.compress.fused import Accumulation
 from flexcomm.compress.lowrank import DEFAULT_RANK, LowRankQueries
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
-from flexcomm.compress.stats import sample_size, sampled, to_host
+from flexcomm.compress.stats import sample_size, sampled
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
-from flexcomm.cost import Observation
 from flexcomm.exchange import DENSE_EXCHANGES, BucketJob, LeaderPolicy, make_leader_policy
-from flexcomm.exchange.job import BucketRecord, DeviceOutcome, apply_timings
+from flexcomm.exchange.job import BucketRecord, DeviceOutcome
 from flexcomm.options import FlexOptions
+from flexcomm.settlement import Settlement
 from flexcomm.version import __version__
 
 _STATE_FORMAT = 2
@@ -145,9 +144,8 @@ class FlexState:
         self._param_names: dict[int, str] | None = None
         # The task that ends the latest step on the dispatcher (see prepare()), until it is awaited.
         self._step_end: torch.futures.Future | None = None
-        # Records whose device-side outcome is not read yet (see settle()).
-        self._unsettled: list[tuple[BucketRecord, DeviceOutcome]] = []
-        self._settle_lock = threading.Lock()
+        # The exchanges' results not yet fed back to records, planner, leaders and memory (see settle()).
+        self.settlement = Settlement(self.planner, self.memory, self.leaders, process_group)
 
     @property
     def compressor(self) -> str:
@@ -332,7 +330,7 @@ class FlexState:
         )
         outcome = DeviceOutcome()
         self.records.append(record)
-        self._unsettled.append((record, outcome))
+        self.settlement.expect(record, outcome)
         if handed.closes_step and self.planner.estimating:
             # Queued from the dispatcher thread while it runs this bucket: it runs right after
             # this bucket's exchange is issued, before any bucket of the next step.
@@ -340,7 +338,7 @@ class FlexState:
         return BucketJob(
             grad=grad, accumulated=accumulated, index=index, layout=handed.layout, k=k, step=step,
             group=self.process_group, world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace,
-            record=record, outcome=outcome, measured=self._measured, selector=self.selector, leaders=self.leaders,
+            record=record, outcome=outcome, measured=self.settlement.measured, selector=self.selector, leaders=self.leaders,
             accumulation=accumulation, accumulation_span=span, leader=leader, low_rank=low_rank,
             sample=sample, sampled_grad=sampled_grad,
         )
@@ -378,43 +376,11 @@ class FlexState:
             self._step_end = None
 
     def settle(self) -> None:
-        """Read the finished buckets' device-side outcomes in one transfer and apply them.
+        """Read the finished buckets' device-side outcomes in one transfer and apply them (:class:`Settlement`).
 
-        Fills the records' ``gain`` and ``finite`` (and, on a GPU, their times from CUDA
-        events, reporting the network samples), feeds the leader policy the statistics
-        of finite exchanges, and lets the memory adopt (or drop) the new residuals.  Runs
-        at each step's first bucket and when records or the checkpoint state are read;
-        only buckets whose exchange finished may be pending.
+        Runs at each step's first bucket and when records or the checkpoint state are read.
         """
-        with self._settle_lock:
-            unsettled, self._unsettled = self._unsettled, []
-            for rec, out in unsettled:
-                if out.timings is not None:
-                    apply_timings(rec, out.timings, self._measured)
-            conditions = self.memory.pending()
-            tensors: list[torch.Tensor] = list(conditions.values())
-            fields = [(rec, name, value) for rec, out in unsettled
-                      for name, value in (("gain", out.gain), ("quality", out.quality), ("finite", out.finite),
-                                          ("statistics", out.statistics))
-                      if value is not None]
-            tensors += [value for _, _, value in fields]
-            host = to_host(tensors)
-            self.memory.settle({index: bool(v[0]) for index, v in zip(conditions, host)})
-            for (rec, name, _), values in zip(fields, host[len(conditions):]):
-                if name == "gain":
-                    rec.gain = values[0]
-                    self.planner.observe_sent(rec.step, rec.bucket, rec.gain)
-                elif name == "quality":
-                    rec.quality = values[0]
-                    self.planner.observe_quality(rec.step, rec.bucket, rec.quality)
-                elif name == "finite":
-                    rec.finite = bool(values[0])
-                elif rec.finite and self.leaders is not None:
-                    self.leaders.observe(rec.bucket, values)
-
-    def _measured(self, record: BucketRecord, kind: str, nbytes: int, seconds: float) -> None:
-        t_compress = None if record.exchange == "dense" else record.t_compress
-        self.planner.observe_exchange(record.step, record.bucket, Observation(kind, nbytes, self.world_size, seconds), t_compress)
+        self.settlement.settle()
 
     def _layout(self, bucket: dist.GradBucket) -> Layout:
         params = bucket.parameters()

@@ -12,7 +12,8 @@ training command that way.
 Modules by role: :mod:`.schedule` (the schedule language), :mod:`.commands`
 (``ip``/``tc`` wrappers, availability), :mod:`.topology` (namespaces, veths,
 neighbours, qdiscs), :mod:`.delay` / :mod:`.delay_control` (the delay switch
-process and the cluster's side of it), :mod:`.cleanup` (signals, atexit, stale
+process and the cluster's side of it), :mod:`.delay_path` (netem or the
+switch, chosen and built for a cluster), :mod:`.cleanup` (signals, atexit, stale
 namespaces), :mod:`.runner` (walking a schedule), :mod:`.cluster` (the cluster
 that composes them), :mod:`.cli` (``flexcomm-netem``).
 """

@@ -1,9 +1,10 @@
 """Emulated hosts: one network namespace per rank, joined by a shaped bridge.
 
 :class:`EmulatedCluster` composes the parts: :mod:`.topology` (namespaces, veths, bridge,
-qdiscs), a delay path (the kernel's ``netem`` where it exists, else the user-space switch
-of :mod:`.delay_control`), :mod:`.cleanup` (signals, atexit, stale namespaces) and a
-:class:`~flexcomm.netem.runner.ScheduleRunner` that walks the schedule while a job runs.
+qdiscs), a delay path (:mod:`.delay_path`: the kernel's ``netem`` where it exists, else the
+user-space switch of :mod:`.delay_control`), :mod:`.cleanup` (signals, atexit, stale
+namespaces) and a :class:`~flexcomm.netem.runner.ScheduleRunner` that walks the schedule
+while a job runs.
 
 Delay (one-way, per host link, changeable while a job runs, optional jitter) applies to
 what each host *sends*: A -> B sees A's delay, a round trip A -> B -> A sees A's plus B's.
@@ -23,8 +24,9 @@ from typing import Any
 from flexcomm.launch import stop_processes
 
 from . import cleanup
-from .commands import NetemUnavailable, absolute_program, require_netem, tool_path
+from .commands import absolute_program, require_netem, tool_path
 from .delay_control import DelaySwitch
+from .delay_path import DELAY_BACKENDS, DelayPath, check_delay, choose_backend
 from .runner import RateChange, ScheduleRunner
 from .schedule import Phase, describe_phases, parse_schedule
 from .topology import MAX_HOSTS, Topology
@@ -33,20 +35,8 @@ __all__ = ["EmulatedCluster", "DELAY_BACKENDS"]
 
 log = logging.getLogger("flexcomm.netem")
 
-#: Values of EmulatedCluster(delay_backend=...).
-DELAY_BACKENDS = ("auto", "netem", "switch")
 #: Set for every emulated host: NCCL then talks over sockets, through the shaped link.
 NCCL_SOCKETS_ONLY = ("NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1")
-#: Smallest tbf burst with the delay switch: a whole 64 KiB GSO packet (plus the per-segment
-#: headers tbf counts) must fit, or tbf cuts it into ~45 MTU-sized frames that the switch
-#: forwards one by one (at 100 Mbit/s: ~20k frames/s, ~35% of a core, instead of ~200, ~3%).
-_SWITCH_MIN_BURST = 80_000
-
-
-def _check_delay(delay_s: float, jitter_s: float) -> None:
-    for name, value in (("delay_s", delay_s), ("jitter_s", jitter_s)):
-        if not (isinstance(value, (int, float)) and 0 <= value <= 3600):
-            raise ValueError(f"{name} must be a number of seconds in [0, 3600], got {value!r}")
 
 
 class EmulatedCluster:
@@ -105,7 +95,7 @@ class EmulatedCluster:
         self.prefix = prefix
         self.phases: list[Phase] = parse_schedule(schedule) if isinstance(schedule, str) or schedule is None else list(schedule)
         for p in self.phases:
-            _check_delay(p.delay_s, p.jitter_s)
+            check_delay(p.delay_s, p.jitter_s)
         self._net = Topology(n_hosts, prefix, cleanup.next_cluster_seq())
         self.tag = self._net.tag
         self.bridge_netns = self._net.bridge_netns
@@ -122,7 +112,7 @@ class EmulatedCluster:
         self._switch_priority = switch_priority
         self._tcp_buffer_max = tcp_buffer_max
         self._host_delays = [(0.0, 0.0)] * n_hosts
-        self._switch: DelaySwitch | None = None
+        self._delay: DelayPath | None = None
         self._procs: list[subprocess.Popen[Any]] = []
         self._runners: list[ScheduleRunner] = []
         self._lock = threading.RLock()
@@ -198,39 +188,17 @@ class EmulatedCluster:
         """Build the topology and the delay path; on any failure ``start`` tears down what exists."""
         net = self._net
         net.add_namespaces()
-        self.delay_backend = self._choose_delay_backend()
+        self.delay_backend = choose_backend(net, self.phases, self._want_delay, self._backend_request)
         net.wire(bridged=self.delay_backend != "switch")
         first = self.phases[0] if self.phases else Phase(1.0)
         if self.delay_backend is not None:
-            net.raise_tcp_buffers(self._tcp_buffer_max)
-            if self.delay_backend == "netem":
-                for i in range(self.n_hosts):
-                    net.set_netem_delay(i, first.delay_s, first.jitter_s, add=True)
-            else:
-                net.min_burst = _SWITCH_MIN_BURST
-                self._switch = DelaySwitch(net.ip, net.bridge_netns, net.port_if, first.delay_s, first.jitter_s,
-                                           self._switch_priority)  # fmt: skip
+            self._delay = DelayPath(net, self.delay_backend, first, self._switch_priority, self._tcp_buffer_max)
             self.delay_emulated = True
             self._host_delays = [(first.delay_s, first.jitter_s)] * self.n_hosts
             self.delay_s, self.jitter_s = first.delay_s, first.jitter_s
         if self.phases:
             net.shape(first.rate_bps, add=True)
             self.rate_bps = first.rate_bps
-
-    def _choose_delay_backend(self) -> str | None:
-        """Which delay path to build, if any (namespaces must exist: netem is probed in one)."""
-        wants = self._want_delay
-        if wants is None:
-            wants = any(p.delay_s > 0 or p.jitter_s > 0 for p in self.phases)
-        if not wants:
-            return None
-        if self._backend_request == "switch":
-            return "switch"
-        if self._net.netem_supported():
-            return "netem"
-        if self._backend_request == "netem":
-            raise NetemUnavailable("delay_backend='netem' but this kernel has no netem qdisc; use 'auto' or 'switch'")
-        return "switch"
 
     # -- rate and delay ----------------------------------------------------------
     def set_rate(self, rate_bps: float, delay_s: float | None = None, jitter_s: float | None = None) -> None:
@@ -266,7 +234,7 @@ class EmulatedCluster:
         A change applies to packets sent after it, within milliseconds. RuntimeError if the
         cluster has no delay path (build it with ``delay=True`` or a schedule with a delay).
         """
-        _check_delay(delay_s, jitter_s)
+        check_delay(delay_s, jitter_s)
         if host is not None:
             self._check_host(host)
         with self._lock:
@@ -279,14 +247,9 @@ class EmulatedCluster:
             self._apply_delay(host, delay_s, jitter_s)
 
     def _apply_delay(self, host: int | None, delay_s: float, jitter_s: float) -> None:
-        _check_delay(delay_s, jitter_s)
-        hosts = range(self.n_hosts) if host is None else [host]
-        if self._switch is not None:
-            self._switch.set_delay(host, delay_s, jitter_s)
-        else:
-            for i in hosts:
-                self._net.set_netem_delay(i, delay_s, jitter_s)
-        for i in hosts:
+        assert self._delay is not None  # callers check delay_backend on an open cluster: the path is built
+        self._delay.set_delay(host, delay_s, jitter_s)
+        for i in range(self.n_hosts) if host is None else [host]:
             self._host_delays[i] = (delay_s, jitter_s)
         if host is None:
             self.delay_s, self.jitter_s = delay_s, jitter_s
@@ -295,6 +258,11 @@ class EmulatedCluster:
         """``(delay_s, jitter_s)`` currently applied to what host ``i`` sends."""
         self._check_host(i)
         return self._host_delays[i]
+
+    @property
+    def _switch(self) -> DelaySwitch | None:
+        """The running delay switch (delay backend ``"switch"``), else None."""
+        return self._delay.switch if self._delay is not None else None
 
     @property
     def switch_pid(self) -> int | None:

@@ -3,6 +3,7 @@
 Modules, in the order a run meets them:
 
 * :mod:`~flexcomm.train.cli` -- options, validation before any rank starts, the demo defaults;
+* :mod:`~flexcomm.train.arg_types` -- the options' value types (each names the rule a value broke);
 * :mod:`~flexcomm.train.config` -- the run's settings, shared by launcher and ranks via ``config.json``;
 * :mod:`~flexcomm.train.job` -- one job: its ranks (through :mod:`flexcomm.launch`), its network, who failed;
 * :mod:`~flexcomm.train.worker` -- one rank: model, data, DDP with the comm hook, the training loop;

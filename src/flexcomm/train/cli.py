@@ -21,15 +21,15 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from flexcomm.compress.lowrank import DEFAULT_RANK
 from flexcomm.control import RULES
-from flexcomm.netem import MAX_HOSTS, netem_available, parse_schedule
+from flexcomm.netem import MAX_HOSTS, netem_available
 from flexcomm.train import checkpoint
+from flexcomm.train.arg_types import density_or_auto, float_in, int_at_least, net_schedule
 from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig, available_compressors
 from flexcomm.train.rank_data import (
     DATASETS,
@@ -53,52 +53,6 @@ DEFAULT_EPOCHS = 2.0
 _DEFAULTS = TrainConfig()
 
 
-# -- argument types: each names the rule that was broken ------------------------------
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _float_in(low: float, high: float, low_open: bool = True) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        too_low = value <= low if low_open else value < low
-        if not math.isfinite(value) or too_low or value > high:
-            bracket = "(" if low_open else "["
-            upper = "inf)" if math.isinf(high) else f"{high:g}]"
-            raise argparse.ArgumentTypeError(f"must be in {bracket}{low:g}, {upper}, got {text}")
-        return value
-
-    return parse
-
-
-def _density(text: str) -> float | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    return _float_in(0.0, 1.0)(text)
-
-
-def _schedule(text: str) -> str:
-    if text.strip().lower() in ("auto", "none"):
-        return text.strip().lower()
-    try:
-        parse_schedule(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text.strip()
-
-
 # -- the parser --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -112,19 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model = parser.add_argument_group("model and data")
     model.add_argument("--model", choices=MODEL_NAMES, default=_DEFAULTS.model, help="(default: %(default)s)")
-    model.add_argument("--width", type=_float_in(0.0, math.inf), default=_DEFAULTS.width, metavar="W",
+    model.add_argument("--width", type=float_in(0.0, math.inf), default=_DEFAULTS.width, metavar="W",
                        help="multiplier of every layer width, for CPU-sized models (default: %(default)s)")
     model.add_argument("--dataset", choices=DATASETS, default=_DEFAULTS.dataset,
                        help="npz: --data-dir holds train.npz and test.npz with arrays x and y (default: %(default)s)")
     model.add_argument("--data-dir", metavar="DIR",
                        help="where the data set is (fashion-mnist: /usr/share/datasets/fashion-mnist)")
-    model.add_argument("--train-subset", type=_int_at_least(0), default=_DEFAULTS.train_subset, metavar="N",
+    model.add_argument("--train-subset", type=int_at_least(0), default=_DEFAULTS.train_subset, metavar="N",
                        help="use the first N training samples (all if fewer); 0 = all (default: %(default)s)")
-    model.add_argument("--test-subset", type=_int_at_least(0), default=_DEFAULTS.test_subset, metavar="N",
+    model.add_argument("--test-subset", type=int_at_least(0), default=_DEFAULTS.test_subset, metavar="N",
                        help="evaluate on the first N test samples (all if fewer); 0 = all (default: %(default)s)")
     model.add_argument("--partition", choices=PARTITIONS, default=_DEFAULTS.partition,
                        help="how training samples are split over ranks (default: %(default)s)")
-    model.add_argument("--dirichlet-alpha", type=_float_in(0.0, math.inf), metavar="ALPHA",
+    model.add_argument("--dirichlet-alpha", type=float_in(0.0, math.inf), metavar="ALPHA",
                        help="label skew of --partition dirichlet; smaller = more skewed "
                             f"(default: {DEFAULT_DIRICHLET_ALPHA})")
 
@@ -132,28 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--compressor", choices=available_compressors(), default=_DEFAULTS.compressor, metavar="NAME",
                       help="one of {%(choices)s}: flexcomm's compressors, or PyTorch's PowerSGD and fp16 hooks "
                            "as baselines (default: %(default)s)")
-    comm.add_argument("--density", type=_density, metavar="C",
+    comm.add_argument("--density", type=density_or_auto, metavar="C",
                       help=f"fraction of each bucket's elements sent, in (0, 1], or 'auto' for the dynamic "
                            f"compression-ratio controller; flexcomm compressors only (default: {DEFAULT_DENSITY})")
-    comm.add_argument("--warmup-steps", type=_int_at_least(0), default=_DEFAULTS.warmup_steps, metavar="N",
+    comm.add_argument("--warmup-steps", type=int_at_least(0), default=_DEFAULTS.warmup_steps, metavar="N",
                       help="exchange dense for the first N steps; PowerSGD: at least 2 (default: %(default)s)")
-    comm.add_argument("--powersgd-rank", type=_int_at_least(1), metavar="R",
+    comm.add_argument("--powersgd-rank", type=int_at_least(1), metavar="R",
                       help="the factors' rank of PowerSGD (default: 1) and of --compressor lowrank (default: 4)")
-    comm.add_argument("--auto-warmup", type=_int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
+    comm.add_argument("--auto-warmup", type=int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
                       help="--density auto: dense steps before the controller's first decision; 0: it "
                            "decides at step 1, so a slow link runs sparse from step 1 or 2 (default: %(default)s)")
-    comm.add_argument("--auto-every", type=_int_at_least(1), default=_DEFAULTS.auto_every, metavar="N",
+    comm.add_argument("--auto-every", type=int_at_least(1), default=_DEFAULTS.auto_every, metavar="N",
                       help="--density auto: least steps between gain measurements (default: %(default)s)")
     comm.add_argument("--auto-rule", choices=RULES, default=_DEFAULTS.auto_rule,
                       help="--density auto: how a point of the Pareto front is picked (default: %(default)s)")
-    comm.add_argument("--auto-min-gain", type=_float_in(0.0, 1.0, low_open=False), default=_DEFAULTS.auto_min_gain, metavar="G",
+    comm.add_argument("--auto-min-gain", type=float_in(0.0, 1.0, low_open=False), default=_DEFAULTS.auto_min_gain, metavar="G",
                       help="--density auto: the accuracy floor, no density whose measured gain (the share of "
                            "the error-corrected gradient's norm it sends) is below G; 0: off (default: %(default)s)")
 
     run = parser.add_argument_group("cluster")
-    run.add_argument("--nproc", type=_int_at_least(1), default=_DEFAULTS.nproc, metavar="N",
+    run.add_argument("--nproc", type=int_at_least(1), default=_DEFAULTS.nproc, metavar="N",
                      help="number of ranks (default: %(default)s)")
-    run.add_argument("--net", type=_schedule, default=_DEFAULTS.net, metavar="SCHEDULE",
+    run.add_argument("--net", type=net_schedule, default=_DEFAULTS.net, metavar="SCHEDULE",
                      help=f"bandwidth schedule of an emulated network, e.g. 1gbit:30s,50mbit:30s,300mbit; "
                           f"'none' = plain loopback; 'auto' = {AUTO_SCHEDULE} where emulation works, else loopback "
                           "(default: %(default)s)")
@@ -161,36 +115,36 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where ranks compute: 'cuda' puts each rank on its own GPU of its machine (NCCL; gloo "
                           "with CUDA tensors when ranks outnumber GPUs); 'auto' = cuda where available "
                           "(default: %(default)s)")
-    run.add_argument("--threads", type=_int_at_least(1), metavar="N",
+    run.add_argument("--threads", type=int_at_least(1), metavar="N",
                      help="torch threads per rank (default: CPU cores / --nproc, at least 1)")
-    run.add_argument("--timeout", type=_float_in(0.0, math.inf), default=_DEFAULTS.timeout, metavar="SECONDS",
+    run.add_argument("--timeout", type=float_in(0.0, math.inf), default=_DEFAULTS.timeout, metavar="SECONDS",
                      help="process-group timeout: a rank stuck this long in a collective fails the job "
                           "(default: %(default)s)")
-    run.add_argument("--max-restarts", type=_int_at_least(0), default=0, metavar="N",
+    run.add_argument("--max-restarts", type=int_at_least(0), default=0, metavar="N",
                      help="when a rank fails, stop every rank and start the group again, up to N times; the ranks "
                           "resume from the last checkpoint (see --checkpoint-every) (default: %(default)s)")
 
     train = parser.add_argument_group("training")
     length = train.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_int_at_least(1), metavar="N", help="number of steps")
-    length.add_argument("--epochs", type=_float_in(0.0, math.inf), metavar="E",
+    length.add_argument("--steps", type=int_at_least(1), metavar="N", help="number of steps")
+    length.add_argument("--epochs", type=float_in(0.0, math.inf), metavar="E",
                         help=f"number of epochs (default: {DEFAULT_EPOCHS:g}, unless --steps is given)")
-    train.add_argument("--batch-size", type=_int_at_least(1), default=_DEFAULTS.batch_size, metavar="N",
+    train.add_argument("--batch-size", type=int_at_least(1), default=_DEFAULTS.batch_size, metavar="N",
                        help="per rank (default: %(default)s)")
-    train.add_argument("--lr", type=_float_in(0.0, math.inf), default=_DEFAULTS.lr,
+    train.add_argument("--lr", type=float_in(0.0, math.inf), default=_DEFAULTS.lr,
                        help="SGD learning rate (default: %(default)s)")
-    train.add_argument("--momentum", type=_float_in(0.0, 1.0, low_open=False), default=_DEFAULTS.momentum,
+    train.add_argument("--momentum", type=float_in(0.0, 1.0, low_open=False), default=_DEFAULTS.momentum,
                        help="SGD momentum (default: %(default)s)")
-    train.add_argument("--eval-every", type=_int_at_least(1), default=_DEFAULTS.eval_every, metavar="N",
+    train.add_argument("--eval-every", type=int_at_least(1), default=_DEFAULTS.eval_every, metavar="N",
                        help="evaluate every N steps and at the end (default: %(default)s)")
-    train.add_argument("--target-acc", type=_float_in(0.0, 1.0), metavar="ACC",
+    train.add_argument("--target-acc", type=float_in(0.0, 1.0), metavar="ACC",
                        help="stop at the first evaluation with at least this test accuracy; the time to it is recorded")
-    train.add_argument("--seed", type=_int_at_least(0), default=_DEFAULTS.seed,
+    train.add_argument("--seed", type=int_at_least(0), default=_DEFAULTS.seed,
                        help="seeds the model, the partition, the data order and dropout (default: %(default)s)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--out", metavar="DIR", help="run directory (default: runs/<timestamp>-<model>-<compressor>)")
-    output.add_argument("--checkpoint-every", type=_int_at_least(0), default=_DEFAULTS.checkpoint_every, metavar="N",
+    output.add_argument("--checkpoint-every", type=int_at_least(0), default=_DEFAULTS.checkpoint_every, metavar="N",
                         help="checkpoint every N steps and at the end; 0 = never (default: %(default)s)")
     output.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     output.add_argument("--no-report", action="store_true",

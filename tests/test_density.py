@@ -10,7 +10,7 @@ import torch
 
 import flexcomm
 from flexcomm.compress import k_for, topk_indices
-from flexcomm.compress.gain import kept_energy, total_energy
+from flexcomm.compress.gain import energy_curve
 from flexcomm.control import Candidate, DensityController, ExchangeChooser, pareto_front
 from flexcomm.control.exchange import StepSample
 from flexcomm.cost import CostEstimator, CostParams, LinkParams
@@ -23,11 +23,11 @@ M = 1_000_000
 
 def test_one_pass_gain_curve_equals_compressing_at_each_density() -> None:
     a = torch.randn(200_000, generator=torch.Generator().manual_seed(5)) * torch.rand(200_000).pow(4)
-    curve = kept_energy(a, CANDIDATES)
+    *curve, total = energy_curve(a, CANDIDATES).tolist()
     for density, energy in zip(CANDIDATES, curve):
         sent = a.index_select(0, topk_indices(a, k_for(a.numel(), density)))
         assert energy == pytest.approx(float(sent.double().square().sum()), rel=1e-9)
-    assert curve[0] == pytest.approx(total_energy(a), rel=1e-12)
+    assert total == pytest.approx(float(a.double().square().sum()), rel=1e-12) and curve[0] == total
 
 
 def test_pareto_front_on_hand_made_points() -> None:
@@ -39,7 +39,8 @@ def test_pareto_front_on_hand_made_points() -> None:
 def model_inputs(alpha: float, beta: float, t_comp: float, world: int = 4) -> tuple[list[float], list[float]]:
     """Gains of a heavy-tailed gradient and times from the cost model, as the hook computes them."""
     a = torch.randn(M, generator=torch.Generator().manual_seed(1)) * torch.rand(M, generator=torch.Generator().manual_seed(2)).pow(6)
-    gains = [math.sqrt(e / total_energy(a)) for e in kept_energy(a, CANDIDATES)]
+    *kept, total = energy_curve(a, CANDIDATES).tolist()
+    gains = [math.sqrt(e / total) for e in kept]
     chooser = ExchangeChooser(CostEstimator(prior=CostParams.uniform(LinkParams(alpha, beta))))
     chooser.sizes = {0: (M, 4)}
     chooser.observe(0, [StepSample(0, "artopk", 0.01, t_comp, chooser.predicted(0, "artopk", 0.01, world), 0.0)], world)

@@ -19,6 +19,7 @@ import flexcomm
 from flexcomm.comm import ExchangeStreams, clock, exchange_context
 from flexcomm.compress import check_index_range
 from flexcomm.compress.sparse import MAX_SPARSE_NUMEL
+from flexcomm.control import DensityController
 from flexcomm.rank_states import has_cpu_backend
 from multiproc import run_world
 
@@ -27,10 +28,12 @@ LAYERS = 8
 
 
 def _sync_count(rank: int, world: int, compressor: str, density: float | str) -> dict:
-    """Host reads of tensor values during 20 steady-state steps of an 8-bucket model."""
+    """Host reads of tensor values during 20 steady-state steps of an 8-bucket model (``density="auto"``:
+    measuring the gain curve every other step)."""
     torch.manual_seed(0)
     model = DDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(LAYERS)]), bucket_cap_mb=64 * 65 * 4 / 2**20)
-    state = flexcomm.register(model, compressor=compressor, density=density)
+    controller = DensityController(measure_every=2) if density == "auto" else None
+    state = flexcomm.register(model, compressor=compressor, density=density, controller=controller)
     x = torch.randn(16, 64) + rank
 
     def step() -> None:
@@ -66,10 +69,12 @@ def _sync_count(rank: int, world: int, compressor: str, density: float | str) ->
 
 @pytest.mark.parametrize("compressor,density", [
     ("dense", 1.0), ("agtopk", 0.05), ("mstopk", 0.05), ("artopk-star", 0.05), ("artopk-var", 0.05), ("flex", 0.05),
+    ("lowrank", 0.05), ("flex", "auto"),
 ])
-def test_no_host_sync_per_bucket_in_steady_state(compressor: str, density: float) -> None:
+def test_no_host_sync_per_bucket_in_steady_state(compressor: str, density: float | str) -> None:
     # A read per bucket would be >= 8 per step (160 in 20 steps); the state reads the
-    # step's device outcomes once per step, and flex its agreed measurements every 10 steps.
+    # step's device outcomes once per step, and flex its agreed measurements every 10 steps
+    # (auto: with the summed gain curve, whose per-bucket energies stay on the device).
     for result in run_world(_sync_count, 2, compressor, density):
         assert result["buckets"] == LAYERS
         assert sum(result["calls"].values()) <= 20 + 2, result["calls"]

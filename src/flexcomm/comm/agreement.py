@@ -45,9 +45,15 @@ class PendingFloats:
         return self._values
 
 
-def allreduce_floats_async(values: Sequence[float], group: dist.ProcessGroup | None, op: dist.ReduceOp) -> PendingFloats:
-    """Issue the element-wise ``op`` (SUM, MIN or MAX) of every rank's list, in fp64; read it later."""
-    combined = torch.tensor(list(values), dtype=torch.float64, device=control_device(group))
+def allreduce_floats_async(values: Sequence[float] | torch.Tensor, group: dist.ProcessGroup | None,
+                           op: dist.ReduceOp) -> PendingFloats:
+    """Issue the element-wise ``op`` (SUM, MIN or MAX) of every rank's list, in fp64; read it later.
+
+    ``values`` may be a 1-D tensor (of a device's values, not read on the host here); the caller gives it up.
+    """
+    device = control_device(group)
+    combined = (values.to(device=device, dtype=torch.float64) if isinstance(values, torch.Tensor)
+                else torch.tensor(list(values), dtype=torch.float64, device=device))
     work = dist.all_reduce(combined, op=op, group=group, async_op=True)
     return PendingFloats(combined, work)
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from flexcomm.comm import PendingFloats, allreduce_floats_async
@@ -55,7 +56,7 @@ class AgreementPoint:
 
     @classmethod
     def issue(cls, expected: Sequence[Key], local: Sequence[LocalSample], periods: Sequence[float] | None,
-              gain_energy: Sequence[float] | None, group: dist.ProcessGroup | None) -> AgreementPoint:
+              gain_energy: Sequence[float] | torch.Tensor | None, group: dist.ProcessGroup | None) -> AgreementPoint:
         """Issue the measurement allreduce (if ``periods`` is given) and then the gain allreduce (if measured)."""
         measurements = None if periods is None else allreduce_floats_async(
             measurement_vector(expected, local, periods), group, dist.ReduceOp.MAX)

@@ -1,7 +1,8 @@
 """``density="auto"``'s gain curve: how much of the error-corrected gradient each candidate density keeps.
 
 At a measurement step every bucket adds, per candidate density ``c``, the energy its top-k at
-``c`` keeps, and its total energy (one top-k pass per bucket, :func:`~flexcomm.compress.gain.kept_energy`).
+``c`` keeps, and its total energy (one top-k pass per bucket, :func:`~flexcomm.compress.gain.energy_curve`;
+a tensor on the bucket's device, never read on the host before the allreduce).
 The step's sums travel in the next agreement point's allreduce (summed over ranks); the agreed
 curve is ``g(c) = sqrt(kept(c) / total)``, the compression gain ``||C_c(a)|| / ||a||`` over all
 buckets and ranks.  Pure bookkeeping: the planner decides when to measure and issues the collective.
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from flexcomm.compress import TopkWorkspace
-from flexcomm.compress.gain import kept_energy, total_energy
+from flexcomm.compress.gain import energy_curve
 
 
 class GainCurve:
@@ -25,18 +26,19 @@ class GainCurve:
     def __init__(self) -> None:
         #: Whether this step's buckets add their energies (decided at the step's first bucket).
         self.measuring = False
-        #: This step's kept energy per candidate, then the total; ``None`` until a bucket adds.
-        self.energy: list[float] | None = None
+        #: This step's kept energy per candidate, then the total (fp64, on the buckets' device); ``None``
+        #: until a bucket adds.
+        self.energy: torch.Tensor | None = None
         #: The last agreed gain per candidate (``None`` before the first), and the step it was agreed at.
         self.gains: list[float] | None = None
         self.agreed_at: int | None = None
 
     def add(self, accumulated: torch.Tensor, candidates: Sequence[float], workspace: TopkWorkspace) -> None:
         """Add one bucket's kept energy per candidate density and its total energy to this step's sums."""
-        energy = kept_energy(accumulated, candidates, workspace) + [total_energy(accumulated)]
-        self.energy = energy if self.energy is None else [a + b for a, b in zip(self.energy, energy)]
+        energy = energy_curve(accumulated, candidates, workspace)
+        self.energy = energy if self.energy is None else energy + self.energy.to(energy.device)
 
-    def take_energy(self) -> list[float] | None:
+    def take_energy(self) -> torch.Tensor | None:
         """This step's sums, for the agreement point's allreduce; the next step starts from none."""
         energy, self.energy = self.energy, None
         return energy
@@ -50,9 +52,10 @@ class GainCurve:
         self.agreed_at = step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"gains": self.gains, "gains_at": self.agreed_at, "gain_energy": self.energy,
-                "measuring_gain": self.measuring}
+        return {"gains": self.gains, "gains_at": self.agreed_at, "measuring_gain": self.measuring,
+                "gain_energy": None if self.energy is None else self.energy.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.gains, self.agreed_at = state["gains"], state["gains_at"]
-        self.energy, self.measuring = state["gain_energy"], state["measuring_gain"]
+        self.gains, self.agreed_at, self.measuring = state["gains"], state["gains_at"], state["measuring_gain"]
+        energy = state["gain_energy"]
+        self.energy = None if energy is None else torch.tensor(energy, dtype=torch.float64)

@@ -19,8 +19,8 @@ at 809c9e4).
 The comparison is in the planner's units, time to accuracy: a plan period is charged the plan's
 steps factor (:func:`~flexcomm.control.step_model.plan_factor`; low-rank and AR-Topk buckets send
 less than each rank's own top-k), the all-dense steps none.  Compared raw, a plan of dense16 and
-low-rank buckets (quality 0.8-0.9) whose steps measured as fast as all-dense16 ones (17 ms at
-1 Gbit, MLP group) kept its 1.1-1.25x steps where PyTorch's fp16 hook reached the target first.
+low-rank buckets (quality 0.8-0.9) ran 13-23 ms steps at 1 Gbit, as PyTorch's fp16 hook did, and
+kept its 1.1-1.25x steps for the whole phase (MLP group, seed 5, at 70d1f80).
 
 A period takes a new value whole when it differs from the old one by more than a factor
 ``JUMP``: a change of regime (a link that dropped or came back), not noise to average away.

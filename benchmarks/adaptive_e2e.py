@@ -175,13 +175,17 @@ def _target(dense: Run | None) -> float | None:
     return runs.target_from(dense, TARGET_FRACTION) if dense is not None else None
 
 
+def reached_statics(times: dict[str, float | None]) -> dict[str, float]:
+    """The static settings (not flex's) among ``method -> time to target`` that reached it."""
+    return {m: t for m, t in times.items() if not m.startswith("flex ") and t is not None}
+
+
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per seed: auto over the fastest static, auto's accuracy gap to dense, flex 0.01 over the faster fixed sparse exchange."""
     out = []
     for seed in sorted({r["seed"] for r in rows}):
         by = {r["method"]: r for r in rows if r["seed"] == seed}
-        statics = {m: r["time_to_target_s"] for m, r in by.items() if not m.startswith("flex ")
-                   and r["time_to_target_s"] is not None}
+        statics = reached_statics({m: r["time_to_target_s"] for m, r in by.items()})
         fastest = min(statics, key=statics.get) if statics else None
         auto, flex = by.get(AUTO, {}), by.get(FLEX_FIXED, {})
         pair = [by[m]["time_to_target_s"] for m in ("agtopk 0.01", "artopk-star 0.01") if m in by and by[m]["time_to_target_s"]]
@@ -214,15 +218,16 @@ def sensitivity(loaded: list[Run]) -> list[list[str]]:
         targets = {seed: runs.target_from(run, fraction) for seed, run in dense.items()}
         reached = {(method_of(r), r.spec.seed): time_to_target(r, targets[r.spec.seed])[:2] for r in loaded
                    if targets.get(r.spec.seed) is not None}
-        fastest = {}
-        for (method, seed), (train, wall) in reached.items():
-            if not method.startswith("flex ") and train is not None and (seed not in fastest or train < fastest[seed][0]):
-                fastest[seed] = (train, wall)
+        fastest = {}  # seed -> (training, wall) seconds of its fastest static
+        for seed in sorted({seed for _, seed in reached}):
+            statics = reached_statics({m: train for (m, s), (train, _) in reached.items() if s == seed})
+            if statics:
+                fastest[seed] = reached[(min(statics, key=statics.get), seed)]
+        walls = [wall for _, wall in fastest.values()]
         for method in sorted({m for m, _ in reached if m.startswith(AUTO)}):
             ratios = [_ratio(reached[(method, seed)][0], fastest[seed][0]) for seed in sorted(fastest)
                       if (method, seed) in reached]
             present = [r for r in ratios if r is not None]
-            walls = [wall for _, wall in fastest.values()]
             table.append([f"{fraction:g}", method,
                           f"{statistics.median(present):.2f}" if present else "never",
                           f"{max(present):.2f}" if present else "-", f"{len(present)}/{len(ratios)}",

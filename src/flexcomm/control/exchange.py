@@ -235,8 +235,8 @@ class ExchangeChooser:
         self._simulated_plan = {b: old if b in self._wanted else new for b, old, new in zip(self.order, current, proposed)}
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
-        factor = plan_factor(costs, [self.plan[b] for b in self.order])
-        if dense and other and dense[0] < other[0] * factor * (1.0 - self.hysteresis):
+        if dense and other and (dense[0] < other[0] * plan_factor(costs, [self.plan[b] for b in self.order])
+                                * (1.0 - self.hysteresis)):
             self.plan = self._guard_plan()
         # A new density is a new plan, whatever its exchange names: its pairs were measured at another.
         changed = self.plan != before or density != density_before

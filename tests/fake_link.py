@@ -17,7 +17,7 @@ import torch
 from flexcomm.comm import PendingFloats
 from flexcomm.compress import TopkWorkspace, k_for
 from flexcomm.control import DensityController, StepPlanner
-from flexcomm.cost import CostParams, LinkParams, Observation, collective_time, predict_exchange_times
+from flexcomm.cost import CostParams, LinkParams, Observation, collective_time, predict_exchange_times, probe_size
 
 M = 200_000
 WORLD = 2
@@ -71,8 +71,14 @@ class FakeLink:
 
     def probe(self, sizes: tuple[int, ...]) -> list[Observation]:
         self.clock += _tick(self.probe_cost)
-        return [Observation(kind, size, WORLD, collective_time(kind, size, WORLD, self.params))
-                for size in sizes for kind in KINDS]
+        observations, last = [], {}
+        latency = collective_time("allreduce", 4, WORLD, self.params)
+        for size in sorted(set(sizes)):
+            for kind in KINDS:
+                nbytes = probe_size(size, last.get(kind), latency)
+                last[kind] = (nbytes, collective_time(kind, nbytes, WORLD, self.params))
+                observations.append(Observation(kind, nbytes, WORLD, last[kind][1]))
+        return observations
 
     def run(self, planner: StepPlanner, steps: range, rates: dict[int, float] | None = None) -> list[tuple[float, str]]:
         """Run ``steps``; the link takes rate ``rates[s]`` from step ``s`` on.  Returns what each step ran."""

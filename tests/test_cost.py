@@ -11,6 +11,8 @@ import pytest
 
 from flexcomm.cost import (
     DEFAULT_PRIOR,
+    KINDS,
+    PROBE_MESSAGE_SECONDS,
     TREE_ALGORITHMS,
     AlphaBetaEstimator,
     CostEstimator,
@@ -24,9 +26,12 @@ from flexcomm.cost import (
     broadcast_time,
     cheapest_exchange,
     collective_coefficients,
+    collective_time,
     dense_time,
     merge_observations,
     predict_exchange_times,
+    probe_size,
+    probe_time,
 )
 from flexcomm.cost.model import ALGORITHMS, ceil_log2
 
@@ -328,3 +333,46 @@ def test_merge_observations_takes_max_over_ranks():
         merge_observations([rank0, rank1[:1]])
     with pytest.raises(ValueError):
         merge_observations([rank0, [rank1[0]._replace(nbytes=8), rank1[1]]])
+
+
+# ---------------------------------------------------------------- probe sizes
+
+def test_a_probe_size_is_timed_as_configured_where_the_last_message_says_it_is_quick():
+    assert probe_size(1 << 20, None, 0.0001) == 1 << 20
+    # 64 KiB in 0.6 ms (1 Gbit/s): 1 MiB transfers in about 8 ms.
+    assert probe_size(1 << 20, (65536, 0.0006), 0.0001) == 1 << 20
+
+
+def test_a_probe_size_is_cut_to_about_the_message_budget_and_at_least_twice_the_last():
+    # 64 KiB in 4 ms, 0.1 ms of it latency (about 130 Mbit/s): 1 MiB would transfer in 62 ms.
+    cut = probe_size(1 << 20, (65536, 0.004), 0.0001)
+    assert cut == int(65536 * PROBE_MESSAGE_SECONDS / 0.0039) // 4 * 4
+    assert 2 * 65536 < cut < 1 << 20
+    # 64 KiB in 26 ms (20 Mbit/s) is over budget already: the next size is twice it.
+    assert probe_size(1 << 20, (65536, 0.026), 0.0001) == 2 * 65536
+    # Never above the configured size.
+    assert probe_size(100_000, (65536, 0.026), 0.0001) == 100_000
+
+
+def test_a_message_mostly_spent_on_latency_cuts_nothing():
+    # 64 KiB in 60 ms on a 50 ms link: 10 ms of transfer says little about the rate.
+    assert probe_size(1 << 20, (65536, 0.060), 0.050) == 1 << 20
+    # A tiny message: all latency, however slow.
+    assert probe_size(4096, (64, 0.004), 0.0039) == 4096
+
+
+@pytest.mark.parametrize("rate_bps, cut", [(10e9, False), (1e9, False), (100e6, True), (20e6, True)])
+def test_a_probe_s_predicted_time_follows_its_cut_sizes(rate_bps, cut):
+    params = CostParams.uniform(LinkParams.from_bandwidth(1e-4, rate_bps))
+    sizes = (65536, 1 << 20)
+    latency = collective_time("allreduce", 4, 2, params)
+    uncut = latency + sum(collective_time(kind, size, 2, params) for size in sizes for kind in KINDS)
+    predicted = probe_time(sizes, 2, params)
+    if not cut:
+        assert predicted == pytest.approx(uncut)
+        return
+    assert predicted < uncut / 2
+    # Each kind: its 64 KiB message, then one that transfers in about PROBE_MESSAGE_SECONDS (or twice 64 KiB).
+    small = sum(collective_time(kind, 65536, 2, params) for kind in KINDS)
+    larger = sum(max(1.2 * PROBE_MESSAGE_SECONDS, collective_time(kind, 2 * 65536, 2, params)) for kind in KINDS)
+    assert predicted <= latency + small + larger

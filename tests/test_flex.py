@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 
@@ -15,7 +16,7 @@ from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.control import step_log
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.step_model import BucketCosts, best_plan, simulate_step
-from flexcomm.cost import CostEstimator, CostParams, LinkParams, Observation, predict_exchange_times
+from flexcomm.cost import KINDS, CostEstimator, CostParams, LinkParams, Observation, predict_exchange_times, probe_size
 from multiproc import run_world
 from test_hook_distributed import M, exchange, gradient, hooked_model
 
@@ -375,7 +376,30 @@ def test_timings_agreed_across_four_ranks() -> None:
     for r in results:
         assert r == results[0]  # bitwise the same lists on every rank
     kinds = [(obs.kind, obs.nbytes) for obs in results[0]["probes"]]
-    assert sorted(kinds) == sorted((k, n) for n in (64, 4096) for k in ("allreduce", "allgather", "broadcast"))
+    assert kinds[:3] == [(k, 64) for k in KINDS]
+    # The larger size as configured, or cut (at least twice the smaller) where the busy host made
+    # 64 bytes look slow: alike on every rank either way (checked above).
+    assert [k for k, _ in kinds[3:]] == list(KINDS) and all(128 <= n <= 4096 for _, n in kinds[3:])
+
+
+def _probe_on_a_100_mbit_link(rank: int, world: int) -> list:
+    # Each rank times the same message a little differently (a 100 Mbit/s link, slower per rank).
+    probes = importlib.import_module("flexcomm.comm.probes")
+    probes._timed = lambda kind, nbytes, group: nbytes * 8 / 100e6 * (1 + 0.1 * rank)
+    return probe_collectives((65536, 1 << 20), None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_probe_cuts_its_larger_size_alike_on_every_rank_from_the_agreed_time(world: int) -> None:
+    results = run_world(_probe_on_a_100_mbit_link, world)
+    for r in results[1:]:
+        assert r == results[0]
+    def slowest(nbytes: int) -> float:  # the MAX over ranks
+        return nbytes * 8 / 100e6 * (1 + 0.1 * (world - 1))
+    cut = probe_size(1 << 20, (65536, slowest(65536)), slowest(4))
+    assert 2 * 65536 <= cut < 1 << 20
+    assert [(obs.kind, obs.nbytes) for obs in results[0]] == [(k, n) for n in (65536, cut) for k in KINDS]
+    assert results[0][0].seconds == pytest.approx(slowest(65536))
 
 
 def _flex_run(rank: int, world: int, steps: int, probe_sizes: tuple[int, ...] = (64, 4096), probe_every: int = 5) -> dict:

@@ -78,7 +78,8 @@ class FlexState:
         flex_interval: ``flex`` agrees on measured times and re-decides every this many steps.
         probe_every: ``flex`` re-probes the collectives every this many steps.
         probe_sizes: message sizes in bytes the probe times.  Keep them above a shaped link's
-            burst (tbf lets a few hundred KB through faster than the rate).
+            burst (tbf lets a few hundred KB through faster than the rate).  A larger size is cut
+            where the smaller one says it would take over ~25 ms (:func:`flexcomm.cost.probe_size`).
         forgetting: the (alpha, beta) estimator's forgetting factor per sample, in (0, 1]:
             lower follows a changing network faster, higher averages out more noise.
         max_records: how many :class:`BucketRecord` are kept until :meth:`drain_records`.

@@ -6,6 +6,12 @@ last one.  So a probe lines the ranks up with a tiny allreduce before each timed
 collective and takes the **max** over ranks (one :func:`allreduce_floats`): the
 collective is done when its slowest rank is, and a broadcast's root is never the max.
 Every rank then feeds the same observations, in the same order, to its estimator.
+
+Sizes are timed in ascending order, one agreed round per size (the first also times a
+one-float allreduce, the latency), so that a larger message can be cut to what the agreed
+time of the kind's last message says transfers in about
+:data:`~flexcomm.cost.PROBE_MESSAGE_SECONDS` (:func:`~flexcomm.cost.probe_size`): on a slow
+link the probe's cost is bounded instead of growing with the largest configured size.
 """
 
 from __future__ import annotations
@@ -18,17 +24,29 @@ import torch.distributed as dist
 
 from flexcomm.comm.agreement import allreduce_floats
 from flexcomm.comm.collectives import allgather, broadcast_from, control_device
-from flexcomm.cost import Observation
+from flexcomm.cost import KINDS, Observation, probe_size
 
 
 def probe_collectives(sizes: Sequence[int], group: dist.ProcessGroup | None) -> list[Observation]:
-    """Time allreduce, allgather and broadcast at each size in bytes; identical result on all ranks."""
+    """Time allreduce, allgather and broadcast at each size in bytes (ascending, each cut by
+    :func:`~flexcomm.cost.probe_size`); identical result on all ranks."""
     world = dist.get_world_size(group)
-    kinds = ("allreduce", "allgather", "broadcast")
-    plan = [(kind, size) for size in sizes for kind in kinds]
-    local = [_timed(kind, size, group) for kind, size in plan]
-    merged = allreduce_floats(local, group, dist.ReduceOp.MAX)
-    return [Observation(kind, size, world, seconds) for (kind, size), seconds in zip(plan, merged)]
+    observations: list[Observation] = []
+    last: dict[str, tuple[int, float]] = {}
+    latency: float | None = None
+    for size in sorted(set(sizes)):
+        # Every rank cuts alike: from the agreed (MAX) times of the round before.
+        plan = [(kind, size if latency is None else probe_size(size, last.get(kind), latency)) for kind in KINDS]
+        local = [_timed(kind, nbytes, group) for kind, nbytes in plan]
+        if latency is None:
+            local.append(_timed("allreduce", 4, group))
+        merged = allreduce_floats(local, group, dist.ReduceOp.MAX)
+        if latency is None:
+            latency = merged.pop()
+        for (kind, nbytes), seconds in zip(plan, merged):
+            observations.append(Observation(kind, nbytes, world, seconds))
+            last[kind] = (nbytes, seconds)
+    return observations
 
 
 def _timed(kind: str, nbytes: int, group: dist.ProcessGroup | None) -> float:

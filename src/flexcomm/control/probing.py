@@ -1,8 +1,10 @@
 """When ``flex`` probes the collectives: at start, then every ``probe_every`` steps within a budget.
 
 A probe times each collective kind at the configured sizes (64 KiB and 1 MiB by default), above
-a shaped link's burst, so that the (alpha, beta) fit sees the link's rate.  On a slow link that
-is expensive: ~1.5 s at 20 Mbit/s, 75 steps of a 20 ms low-rank plan, every 200 steps.  So a
+a shaped link's burst, so that the (alpha, beta) fit sees the link's rate; a size whose message
+would take over ~25 ms by the kind's smaller message is cut to about that
+(:func:`~flexcomm.cost.probe_size`: 1 MiB at 20 Mbit/s would take 0.4 s per kind, 1.3 s for
+the probe).  Even so a probe costs a few steps of a fast plan on a slow link, so a
 probe that is due is put off while its predicted time exceeds ``PROBE_BUDGET`` of the plan's
 predicted time since the last probe, up to ``MAX_PROBE_STRETCH`` times ``probe_every`` steps.
 Between probes the plan's own exchanges (those at least the smallest probe's size) keep the fit

@@ -13,6 +13,7 @@ from flexcomm.cost.model import (
     GLOO_ALGORITHMS,
     HALF_BYTES,
     KINDS,
+    PROBE_MESSAGE_SECONDS,
     TREE_ALGORITHMS,
     Algorithms,
     CostParams,
@@ -29,6 +30,7 @@ from flexcomm.cost.model import (
     dense_time,
     lowrank_time,
     predict_exchange_times,
+    probe_size,
     probe_time,
 )
 
@@ -39,6 +41,7 @@ __all__ = [
     "GLOO_ALGORITHMS",
     "HALF_BYTES",
     "KINDS",
+    "PROBE_MESSAGE_SECONDS",
     "TREE_ALGORITHMS",
     "Algorithms",
     "AlphaBetaEstimator",
@@ -59,5 +62,6 @@ __all__ = [
     "lowrank_time",
     "merge_observations",
     "predict_exchange_times",
+    "probe_size",
     "probe_time",
 ]

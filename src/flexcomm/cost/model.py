@@ -208,9 +208,45 @@ def collective_time(kind: CollectiveKind, nbytes: float, world_size: int, params
     return a * link.alpha + b * link.beta
 
 
+#: A probe times one message per collective kind and size; a larger size is cut down to what the
+#: kind's last timed message says transfers in about this long (see :func:`probe_size`).
+PROBE_MESSAGE_SECONDS = 0.025
+
+
+def probe_size(size: int, last: tuple[int, float] | None, latency: float) -> int:
+    """The bytes a probe really times for configured ``size``, given the kind's last timed ``(bytes, seconds)``
+    and ``latency``, the seconds of a one-float allreduce.
+
+    The last message's transfer time (its time less ``latency``), scaled by bytes, predicts the
+    transfer at ``size``.  Where that is over :data:`PROBE_MESSAGE_SECONDS`, ``size`` is cut to
+    the bytes predicted to transfer in that long, but at least twice the last message (two sizes
+    far enough apart to tell latency from bandwidth).  A last message that spent more time on
+    latency than on transfer says too little about the rate to cut anything.  On a fast link
+    nothing is cut; at 20 Mbit/s the default 1 MiB message (0.4 s per kind) becomes 128 KiB.
+    """
+    if last is None:
+        return size
+    last_bytes, last_seconds = last
+    transfer = last_seconds - latency
+    if transfer <= latency or transfer * size <= PROBE_MESSAGE_SECONDS * last_bytes:
+        return size
+    fitting = int(last_bytes * PROBE_MESSAGE_SECONDS / transfer) // 4 * 4
+    return min(size, max(2 * last_bytes, fitting))
+
+
 def probe_time(sizes: Sequence[int], world_size: int, params: CostParams) -> float:
-    """Predicted seconds of one probe: every collective kind at each of ``sizes`` bytes, one after another."""
-    return sum(collective_time(kind, size, world_size, params) for size in sizes for kind in KINDS)
+    """Predicted seconds of one probe: a one-float allreduce (the latency), then every collective kind at
+    each of ``sizes`` bytes in ascending order, each cut by :func:`probe_size` on the predicted times."""
+    latency = collective_time("allreduce", 4, world_size, params)
+    total = latency
+    for kind in KINDS:
+        last: tuple[int, float] | None = None
+        for size in sorted(set(sizes)):
+            nbytes = probe_size(size, last, latency)
+            seconds = collective_time(kind, nbytes, world_size, params)
+            total += seconds
+            last = (nbytes, seconds)
+    return total
 
 
 def allreduce_time(nbytes: float, world_size: int, link: LinkParams, algorithm: str = "ring") -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from fake_link import FakeLink, agreement_points, make_planner, spy_updates
 from flexcomm.control import DensityController, StepPlanner
+from flexcomm.control.periods import StepPeriods
 from flexcomm.cost import Observation
 from multiproc import raised, run_world
 from test_hook_distributed import exchange, gradient, hooked_model
@@ -263,3 +265,43 @@ def test_a_step_that_probed_gives_the_guard_no_period(monkeypatch: pytest.Monkey
         periods += [seconds for seconds, _ in planner.chooser.measured_steps.values()]
     assert periods, "no period was agreed"
     assert max(periods) < 0.5, periods
+
+
+# ---------------------------------------------------------------- periods measured under another plan
+
+def _periods_of_two_plans() -> StepPeriods:
+    periods = StepPeriods()
+    # Two early steps at density 1.0 ran all-dense16 on the small bucket (57 ms against a simulated 20 ms)...
+    periods.observe(2, 1.0, 0.057, 0.020, ("dense16", "lowrank"))
+    # ...then density 0.1 ran for a while (30 ms against 13 ms).
+    periods.observe(10, 0.1, 0.030, 0.013, ("artopk", "lowrank"))
+    return periods
+
+
+def test_a_density_measured_under_another_plan_is_predicted_from_the_density_running() -> None:
+    periods = _periods_of_two_plans()
+    # Density 1.0's plan is now low-rank on both buckets, simulated at 20 ms.
+    predicted = periods.predict([1.0, 0.1], [0.020, 0.013], [("lowrank", "lowrank"), ("artopk", "lowrank")])
+    assert predicted[1] == pytest.approx(0.030)
+    assert predicted[0] == pytest.approx(0.030 + (0.020 - 0.013))  # carried from 0.1, not 57 ms of another plan
+    # The same plan as measured: its own period.
+    same = periods.predict([1.0, 0.1], [0.020, 0.013], [("dense16", "lowrank"), ("artopk", "lowrank")])
+    assert same[0] == pytest.approx(0.057)
+
+
+def test_a_period_of_another_plan_replaces_the_density_s_period_whole() -> None:
+    periods = _periods_of_two_plans()
+    periods.observe(20, 1.0, 0.050, 0.020, ("dense16", "lowrank"))  # same plan: averaged
+    assert periods.predict([1.0], [0.020], [("dense16", "lowrank")])[0] == pytest.approx(0.7 * 0.057 + 0.3 * 0.050)
+    periods.observe(30, 1.0, 0.022, 0.020, ("lowrank", "lowrank"))  # another plan, within JUMP: replaced
+    assert periods.predict([1.0], [0.020], [("lowrank", "lowrank")])[0] == pytest.approx(0.022)
+
+
+def test_periods_keep_their_plans_through_a_checkpoint_and_read_older_ones() -> None:
+    periods = _periods_of_two_plans()
+    restored = StepPeriods()
+    restored.load_state_dict(json.loads(json.dumps(periods.state_dict())))
+    assert restored.state_dict() == periods.state_dict()
+    older = {"measured": [[1.0, 0.057, 0.020, 2]]}  # before plans were kept: any plan matches
+    restored.load_state_dict(older)
+    assert restored.predict([1.0], [0.020], [("lowrank", "lowrank")]) == [pytest.approx(0.057)]

@@ -9,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flexcomm
+from fake_link import FakeLink, make_planner
 from flexcomm.compress.stats import sample_positions
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.probing import MAX_PROBE_STRETCH, probe_due
@@ -202,3 +203,31 @@ def test_a_probe_waits_while_it_would_cost_more_than_its_budget_of_the_plan_s_ti
     assert probe_due(200, 200, (lambda: 0.05), plan)  # 50 ms <= 80 ms
     assert probe_due(200, 200, probe, (lambda: math.nan))  # no plan yet: no budget to keep
     assert probe_due(MAX_PROBE_STRETCH * 200, 200, probe, plan)  # never later than this
+
+
+def test_a_bucket_index_that_changes_size_starts_unmeasured() -> None:
+    # DDP's first step has its own bucket layout; after the rebuild index 0 is another, smaller bucket.
+    chooser = chooser_on(1e9)
+    chooser.note_sizes(1, 3_000_000, 4, (60_000, 60_000))
+    chooser.observe(1, [StepSample(0, "lowrank", 0.01, 0.02, 0.001, 0.0, quality=0.1),
+                        StepSample(1, "lowrank", 0.01, 0.06, 0.001, 0.0, quality=0.8)], 2)
+    assert chooser.costs(0, 0.01, 2).factor["lowrank"] == pytest.approx(10.0)  # its own poor quality
+    chooser.note_sizes(0, 500_000, 4, (10_000, 10_000))
+    costs = chooser.costs(0, 0.01, 2)
+    assert costs.factor["lowrank"] == pytest.approx(1 / 0.8)  # the other bucket's, not the old index's
+    assert costs.block["lowrank"] == pytest.approx(0.06 / 3_000_000 * 500_000)  # scaled from the other bucket
+    assert 0 not in chooser.plan
+
+
+def test_buckets_a_step_no_longer_has_are_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeLink(monkeypatch.setattr, rate_bps=1e9)  # the clock and the probes
+    planner = make_planner(None, None, density=0.01)
+    planner.begin_step(0)
+    for bucket in range(3):
+        planner.plan(bucket, 1000 * (bucket + 1), 4, 0)
+    assert planner.chooser.order == [0, 1, 2]
+    planner.begin_step(1)
+    for bucket in range(2):  # rebuilt into two buckets of the same sizes as before
+        planner.plan(bucket, 1000 * (bucket + 1), 4, 1)
+    planner.begin_step(2)
+    assert planner.chooser.order == [0, 1]

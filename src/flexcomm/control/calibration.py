@@ -72,6 +72,14 @@ class Calibration:
         self._recent = set(self._fresh)
         self._fresh.clear()
 
+    def forget(self, buckets: set[int]) -> None:
+        """Drop every pair of ``buckets``."""
+        for table in (self.kappa, self.measured_at, self.anchor):
+            for key in [key for key in table if key[0] in buckets]:
+                del table[key]
+        self._fresh = {key for key in self._fresh if key[0] not in buckets}
+        self._recent = {key for key in self._recent if key[0] not in buckets}
+
     def recent(self, key: Pair) -> bool:
         """Whether the pair was measured in the interval before the last rebase (a plan may adopt it on its numbers)."""
         return key in self._recent

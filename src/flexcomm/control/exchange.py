@@ -302,12 +302,28 @@ class ExchangeChooser:
         return Choice(exchange, {e: costs.total(e) for e in EXCHANGE_ORDER}, self._explored == (step, bucket))
 
     def note_sizes(self, bucket: int, numel: int, value_bytes: int, factor_size: tuple[int, int] | None) -> None:
-        """What the model needs of a bucket: its elements, their bytes, its low-rank payload (None: none)."""
+        """What the model needs of a bucket: its elements, their bytes, its low-rank payload (None: none).
+        A bucket index whose size changed is another bucket (DDP rebuilds its buckets after the first
+        step): what was measured under the index is dropped."""
+        if self.sizes.get(bucket, (numel, value_bytes)) != (numel, value_bytes):
+            self.forget({bucket})
         self.sizes[bucket] = (numel, value_bytes)
         if factor_size is None:
             self.factor_sizes.pop(bucket, None)
         else:
             self.factor_sizes[bucket] = factor_size
+
+    def forget(self, buckets: set[int]) -> None:
+        """Drop all that was measured and planned for ``buckets`` (gone, or other buckets under their indices)."""
+        for table in (self.sizes, self.factor_sizes, self.plan, self._gap, self._simulated_plan, self._wanted):
+            for bucket in buckets & set(table):
+                del table[bucket]
+        for pairs_table in (self._block, self._measured_at, self._factor, self._quality):
+            for key in [key for key in pairs_table if key[0] in buckets]:
+                del pairs_table[key]
+        self._calibration.forget(buckets)
+        if self._explored is not None and self._explored[1] in buckets:
+            self._explored = None
 
     def _exploration(self, step: int, density: float, world: int) -> tuple[int, str] | None:
         every = self.explore_every * self._explore_scale
@@ -331,15 +347,24 @@ class ExchangeChooser:
 
         At density 1.0 a fixed exchange means dense; ``flex`` plans between dense and dense16.
         """
-        if not self.order:
-            return math.nan
-        costs = self.step_costs(density, world)
-        if density >= 1.0 and exchange is not None:
-            return simulate_step(costs, ["dense"] * len(costs))
-        if exchange is not None:
-            return simulate_step(costs, [exchange] * len(costs))
-        return simulate_step(costs, best_plan(costs, self._start(costs, self.plan), 0.0))
+        return self.step_plan(density, world, exchange)[0]
 
+    def step_plan(self, density: float, world: int, exchange: str | None) -> tuple[float, tuple[str, ...]]:
+        """:meth:`step_seconds` and the plan it simulates, in hook order (NaN and () before any bucket)."""
+        if not self.order:
+            return math.nan, ()
+        costs = self.step_costs(density, world)
+        if exchange is not None:
+            plan = ["dense" if density >= 1.0 else exchange] * len(costs)
+        else:
+            plan = best_plan(costs, self._start(costs, self.plan), 0.0)
+        return simulate_step(costs, plan), tuple(plan)
+
+    def plan_in_force(self) -> tuple[str, ...]:
+        """The plan in force, in hook order (() while some bucket has none)."""
+        if not self.order or set(self.plan) != set(self.order):
+            return ()
+        return tuple(self.plan[b] for b in self.order)
 
     def plan_seconds(self, world: int) -> float:
         """The simulated step of the plan in force, at its density, under the model as it stands (NaN without one)."""

@@ -14,8 +14,8 @@ their plan far from what they ran under, is not kept: :meth:`StepPeriods.agreed`
 A candidate ``c`` is predicted from a measurement at the *same* density wherever one exists,
 moved by what the model learned since (``S_now``, the simulated step now):
 
-    T(c) = carry(P[c], S[c], S_now(c))                                c measured
-    T(c) = carry(carry(P[a], S[a], S_now(a)), S_now(a), S_now(c))     else, a the newest measured
+    T(c) = carry(P[c], S[c], S_now(c))                                c measured under its plan now
+    T(c) = carry(carry(P[a], S[a], S_now(a)), S_now(a), S_now(c))     else, a the newest such density
     T(c) = S_now(c)                                                   nothing measured yet
 
 ``carry(P, S, S')`` moves a period by the model's change: ``P + (S' - S)`` when the model's
@@ -60,18 +60,21 @@ class StepPeriods:
 
     def __init__(self, smoothing: float = 0.7) -> None:
         self.smoothing = smoothing
-        # density -> (period P, simulated S at the same agreement point, step of the measurement)
-        self._measured: dict[float, tuple[float, float, int]] = {}
+        # density -> (period P, simulated S at the same agreement point, step of the measurement,
+        # the plan the steps ran: one exchange per bucket, () where unknown)
+        self._measured: dict[float, tuple[float, float, int, tuple[str, ...]]] = {}
 
-    def observe(self, step: int, density: float, period: float, simulated: float) -> None:
-        """An agreed median period of steps run at ``density``, and the simulated step they ran under."""
+    def observe(self, step: int, density: float, period: float, simulated: float, plan: tuple[str, ...] = ()) -> None:
+        """An agreed median period of steps run at ``density`` under ``plan``, and the simulated step they ran under.
+        A period of another plan, or more than ``JUMP`` times off, replaces the old one whole."""
         old = self._measured.get(density)
-        if old is not None and old[0] / JUMP <= period <= old[0] * JUMP:
+        if old is not None and old[3] == plan and old[0] / JUMP <= period <= old[0] * JUMP:
             period = self.smoothing * old[0] + (1.0 - self.smoothing) * period
             simulated = self.smoothing * old[1] + (1.0 - self.smoothing) * simulated
-        self._measured[density] = (period, simulated, step)
+        self._measured[density] = (period, simulated, step, plan)
 
-    def agreed(self, step: int, density: float, period: float, ran_under: float, now: float) -> None:
+    def agreed(self, step: int, density: float, period: float, ran_under: float, now: float,
+               plan: tuple[str, ...] = ()) -> None:
         """:meth:`observe` an agreed period that ran under the simulated step ``ran_under`` (0: before the model knew
         any bucket; paired with ``now``), unless the model now simulates its plan at ``now``, more than
         ``REGIME_CHANGE`` times off: the link changed while it ran.  (Kept, 114 ms of dense steps after a drop to
@@ -79,26 +82,40 @@ class StepPeriods:
         came back.)"""
         if ran_under and not ran_under / REGIME_CHANGE <= now <= ran_under * REGIME_CHANGE:
             return
-        self.observe(step, density, period, ran_under or now)
+        self.observe(step, density, period, ran_under or now, plan)
 
-    def predict(self, densities: Sequence[float], simulated: Sequence[float]) -> list[float]:
-        """The predicted period of every density, from ``simulated`` (the model's step at each, now)."""
+    def predict(self, densities: Sequence[float], simulated: Sequence[float],
+                plans: Sequence[tuple[str, ...]] | None = None) -> list[float]:
+        """The predicted period of every density, from ``simulated`` (the model's step at each, now) and
+        ``plans`` (the plan it simulates at each).
+
+        A density measured under another plan than its plan now is predicted like an unmeasured one:
+        its period holds that plan's errors, not this one's.  (Kept, two early all-dense16 steps of a
+        model still learning the link, 57 ms against the 20 ms it simulated, priced density 1.0 at
+        54-180 ms for the rest of a run whose plan there had become 22 ms of low-rank steps.)
+        """
         now = dict(zip(densities, simulated))
-        carried = {d: carry(p, s, now[d]) for d, (p, s, _) in self._measured.items() if d in now}
+        current = dict(zip(densities, plans or ()))
+        carried = {d: carry(p, s, now[d]) for d, (p, s, _, _) in self._measured.items() if d in now}
         if not carried:
             return list(simulated)
-        return [carried[c] if c in carried else carry(carried[a], now[a], now[c])
-                for c, a in ((c, self._anchor(c, carried)) for c in densities)]
+        own = {d: t for d, t in carried.items()
+               if not self._measured[d][3] or self._measured[d][3] == current.get(d, self._measured[d][3])}
+        anchors = own or carried
+        return [own[c] if c in own else carry(anchors[a], now[a], now[c])
+                for c, a in ((c, self._anchor(c, anchors)) for c in densities)]
 
     def _anchor(self, density: float, carried: dict[float, float]) -> float:
         """The newest measured density, the nearest (in log density) among equally new ones."""
         return max(carried, key=lambda d: (self._measured[d][2], -abs(math.log(d / density))))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"measured": [[d, p, s, at] for d, (p, s, at) in sorted(self._measured.items())]}
+        return {"measured": [[d, p, s, at, list(plan)] for d, (p, s, at, plan) in sorted(self._measured.items())]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._measured = {float(d): (float(p), float(s), int(at)) for d, p, s, at in state["measured"]}
+        # A checkpoint written before plans were kept has four fields: its plans are unknown.
+        self._measured = {float(d): (float(p), float(s), int(at), tuple(rest[0]) if rest else ())
+                          for d, p, s, at, *rest in state["measured"]}
 
 
 class RecentPeriods:

@@ -143,6 +143,8 @@ class StepPlanner:
         # Whole-step periods since the last agreement point.
         self._recent = RecentPeriods()
         self._simulated = 0.0
+        # The buckets planned in this step (a rebuild can drop some).
+        self._step_buckets: set[int] = set()
         # The last step in which a bucket explored an alternative (its period is not kept).
         self._explored_step: int | None = None
         #: Agreed step periods per density (``density="auto"``'s time predictions).
@@ -183,6 +185,10 @@ class StepPlanner:
         if not self.estimating:
             return
         self._close_step()
+        # Buckets the last step did not have are gone (DDP rebuilt fewer): nothing may plan them.
+        if self._step_buckets:
+            self.chooser.forget(set(self.chooser.sizes) - self._step_buckets)
+        self._step_buckets = set()
         agreement, self._agreement = self._agreement, None
         learned = False
         if self._probe_due(step):
@@ -279,7 +285,9 @@ class StepPlanner:
                 self._explored_step = step
         if not self.estimating:
             return Plan(exchange, density)
-        self.chooser.sizes.setdefault(bucket_index, (numel, value_bytes))
+        self._step_buckets.add(bucket_index)
+        if self.chooser.sizes.get(bucket_index) != (numel, value_bytes):
+            self.chooser.note_sizes(bucket_index, numel, value_bytes, factor_size)
         predicted = self.chooser.predicted(bucket_index, exchange, density, world)
         self._log.entered(step, bucket_index, exchange, density, numel, value_bytes, predicted)
         return Plan(exchange, density, predicted, explored)
@@ -314,24 +322,26 @@ class StepPlanner:
         assert self.controller is not None
         candidates = self.controller.candidates
         world = self.world_size
-        simulated = [self.chooser.step_seconds(c, world, self.exchange) for c in candidates]
+        simulated, best = zip(*(self.chooser.step_plan(c, world, self.exchange) for c in candidates))
         new, self._new_periods = self._new_periods, {}
         if not all(math.isfinite(t) for t in simulated):
             return
+        as_ran = [self._as_ran(c, t, plan) for c, t, plan in zip(candidates, simulated, best)]
         for density, (period, ran_under) in new.items():
-            self.periods.agreed(step, density, period, ran_under,
-                                self._simulated_as_ran(density, simulated[candidates.index(density)]))
+            self.periods.agreed(step, density, period, ran_under, *as_ran[candidates.index(density)])
         curve = self.gain_curve
         if curve.gains is not None:
-            self.controller.update(step, curve.gains, self.periods.predict(candidates, simulated), curve.agreed_at)
+            # The plan each density would run: the plan in force at its own density (hysteresis keeps it), else the best.
+            predicted = self.periods.predict(candidates, simulated, [plan for _, plan in as_ran])
+            self.controller.update(step, curve.gains, predicted, curve.agreed_at)
 
-    def _simulated_as_ran(self, density: float, best: float) -> float:
-        """The simulated step, under the model now, of the plan that ran at ``density``: flex's plan in
-        force (not necessarily the best one now); ``best`` for a fixed exchange or another density."""
+    def _as_ran(self, density: float, best: float, best_plan: tuple[str, ...]) -> tuple[float, tuple[str, ...]]:
+        """The simulated step, under the model now, of the plan that ran at ``density``, and that plan: flex's
+        plan in force (not necessarily the best one now); the best ones for a fixed exchange or another density."""
         if self.exchange is not None or self.chooser.plan_density != density:
-            return best
-        ran = self.chooser.plan_seconds(self.world_size)
-        return ran if math.isfinite(ran) else best
+            return best, best_plan
+        ran, plan = self.chooser.plan_seconds(self.world_size), self.chooser.plan_in_force()
+        return (ran, plan) if math.isfinite(ran) and plan else (best, best_plan)
 
     def _observe_measurements(self, agreed: list[AgreedSample], periods: Sequence[float]) -> None:
         """Feed the chooser the agreed step samples and periods, the same on every rank."""

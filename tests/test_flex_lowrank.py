@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flexcomm
-from fake_link import FakeLink, make_planner
+from fake_link import WORLD, FakeLink, make_planner
 from flexcomm.compress.stats import sample_positions
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.probing import MAX_PROBE_STRETCH, probe_due
@@ -231,3 +231,13 @@ def test_buckets_a_step_no_longer_has_are_forgotten(monkeypatch: pytest.MonkeyPa
         planner.plan(bucket, 1000 * (bucket + 1), 4, 1)
     planner.begin_step(2)
     assert planner.chooser.order == [0, 1]
+
+
+def test_the_first_step_s_exchanges_do_not_rate_an_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    link = FakeLink(monkeypatch.setattr, rate_bps=1e9, select=0.5)  # step 0: one-time costs in the selection
+    planner = make_planner(None, None, density=0.01)
+    _, first = link.step(planner, 0)
+    assert first in ("agtopk", "artopk")
+    link.select = 0.004
+    link.run(planner, range(1, 12))
+    assert planner.chooser.costs(0, 0.01, WORLD).block[first] < 0.05

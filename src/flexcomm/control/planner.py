@@ -358,12 +358,16 @@ class StepPlanner:
         # burst through faster than its rate, and a plan of small messages (low-rank factors, 20-33 KB
         # on the MLP) fitted 20 Mbit/s as several Gbit/s, rating dense cheap again and again.
         smallest = min(self.probe_sizes)
-        self.chooser.estimator.observe_all(a.sample.observation._replace(seconds=a.service) for a in agreed
+        # Step 0's exchanges carry one-time costs (buffers allocated, each collective's and kernel's first
+        # call): from step 0 AG-Topk on a 268k-element bucket was rated 10-12 ms at 1 Gbit (predicted 0.4-0.9)
+        # and not run again for the whole 1 Gbit phase (MLP group, seed 4, flex at 0.01).
+        fed = [a for a in agreed if a.sample.step > 0]
+        self.chooser.estimator.observe_all(a.sample.observation._replace(seconds=a.service) for a in fed
                                            if a.sample.observation.nbytes >= smallest)
         self.chooser.sizes = {a.sample.bucket: (a.sample.numel, a.sample.value_bytes) for a in agreed
                               if a.sample.step == last}
-        for step in sorted({a.sample.step for a in agreed}):
-            self.chooser.observe(step, [a.step_sample() for a in agreed
+        for step in sorted({a.sample.step for a in fed}):
+            self.chooser.observe(step, [a.step_sample() for a in fed
                                         if a.sample.step == step and a.sample.bucket in self.chooser.sizes],
                                  self.world_size)
         self.prediction_log.extend((a.sample.exchange, a.sample.predicted, a.block + a.service) for a in agreed

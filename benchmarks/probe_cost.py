@@ -6,7 +6,7 @@ Per link (2 emulated hosts, :class:`flexcomm.netem.EmulatedCluster`), rounds alt
 flexcomm runs it (``probe_collectives`` with the default sizes, 64 KiB and 1 MiB, the larger cut
 to ~25 ms of transfer by the smaller message: :func:`flexcomm.cost.probe_size`) and the same probe
 with every size timed as configured (the behaviour before the cut).  Each probe's observations
-are fitted alone (a fresh :class:`flexcomm.cost.CostEstimator` with flex's prior weight), and the fit's prediction of a
+are fitted alone (a fresh :class:`flexcomm.cost.CostEstimator`), and the fit's prediction of a
 dense fp32 / fp16 allreduce of the demo's MLP (669,706 parameters) is compared with that
 allreduce's measured time (the fastest of three).  Reported per link and mode: the probe's wall
 time and the prediction's relative error (median over rounds).
@@ -27,7 +27,6 @@ import torch.distributed as dist
 from common import (argument_parser, figure, finish_worker, init_worker, main_or_worker, network, numbers, run_job, save,
                     write_csv)
 from flexcomm.comm import allreduce_floats, probes
-from flexcomm.control.planner import PRIOR_WEIGHT
 from flexcomm.cost import CostEstimator, collective_time
 
 MODES = ("cut", "uncut")
@@ -65,7 +64,7 @@ def worker(cfg: dict[str, Any]) -> None:
     for round_ in range(cfg["rounds"]):
         for mode in MODES:
             seconds, observations = _probe(mode)
-            estimator = CostEstimator(forgetting=0.9, prior_weight=PRIOR_WEIGHT)  # as flex's planner builds it
+            estimator = CostEstimator(forgetting=0.9)
             estimator.observe_all(observations)
             predicted = {name: collective_time("allreduce", nbytes, world, estimator.params) for name, nbytes in TARGETS.items()}
             rows.append({"round": round_, "mode": mode, "probe_s": seconds,

@@ -14,7 +14,7 @@ from flexcomm.compress.stats import sample_positions
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.probing import MAX_PROBE_STRETCH, probe_due
 from flexcomm.control.quality import MIN_QUALITY, quality_factor
-from flexcomm.cost import CostEstimator, CostParams, LinkParams, collective_time
+from flexcomm.cost import CostEstimator, CostParams, LinkParams
 from multiproc import raised, run_world
 from test_lowrank import Injector, gradients
 
@@ -241,12 +241,3 @@ def test_the_first_step_s_exchanges_do_not_rate_an_exchange(monkeypatch: pytest.
     link.select = 0.004
     link.run(planner, range(1, 12))
     assert planner.chooser.costs(0, 0.01, WORLD).block[first] < 0.05
-
-
-@pytest.mark.parametrize("rate_bps", [100e6, 20e6])
-def test_the_first_probe_fits_a_slow_link_not_the_prior(monkeypatch: pytest.MonkeyPatch, rate_bps: float) -> None:
-    link = FakeLink(monkeypatch.setattr, rate_bps=rate_bps)  # noise-free probe samples of the link
-    planner = make_planner(None, None, density=0.01)
-    planner.begin_step(0)
-    predicted = collective_time("allreduce", 2_678_824, WORLD, planner.chooser.estimator.params)
-    assert predicted == pytest.approx(collective_time("allreduce", 2_678_824, WORLD, link.params), rel=0.15)

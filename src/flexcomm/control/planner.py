@@ -85,11 +85,6 @@ from flexcomm.cost import CostEstimator, Observation, probe_time
 #: keeps.  Each is ~130 bytes of Python objects; 10,000 of them took a long run's first
 #: 10,000 samples to fill and read as 1-2 MB of growth per rank (benchmarks/memory_growth.py).
 PREDICTION_LOG = 2_000
-#: The (alpha, beta) prior's worth in samples.  The prior is a 1 Gbit/s link; worth one sample it
-#: held the first probe's fit of a 100 Mbit/s link at 0.56-0.68x a 2.7 MB allreduce's time
-#: (``benchmarks/probe_cost.py``; 0.65x from noise-free samples), so the first decisions rated dense
-#: too cheap on slow links.  At 0.1: 0.93x from the same noise-free samples.
-PRIOR_WEIGHT = 0.1
 
 
 @dataclass(frozen=True)
@@ -140,8 +135,7 @@ class StepPlanner:
         self.probe_every = probe_every
         self.probe_sizes = tuple(probe_sizes)
         self.group = group
-        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting, prior_weight=PRIOR_WEIGHT), dense16=dense16,
-                                       lowrank=lowrank)
+        self.chooser = ExchangeChooser(CostEstimator(forgetting=forgetting), dense16=dense16, lowrank=lowrank)
         self._log = StepLog()
         # Local samples and the (step, bucket) every rank planned, since the last agreement point.
         self._pending: list[LocalSample] = []

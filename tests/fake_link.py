@@ -17,11 +17,10 @@ import torch
 from flexcomm.comm import PendingFloats
 from flexcomm.compress import TopkWorkspace, k_for
 from flexcomm.control import DensityController, StepPlanner
-from flexcomm.cost import CostParams, LinkParams, Observation, collective_time, predict_exchange_times, probe_size
+from flexcomm.cost import CostParams, LinkParams, Observation, predict_exchange_times, predicted_probe
 
 M = 200_000
 WORLD = 2
-KINDS = ("allreduce", "allgather", "broadcast")
 #: What each exchange reports: (collective kind, payload bytes per element sent).
 REPORTED = {"dense": ("allreduce", 4), "dense16": ("allreduce", 2), "agtopk": ("allgather", 8), "artopk": ("allreduce", 4)}
 Patch = Callable[[Any, str, Any], None]
@@ -71,14 +70,8 @@ class FakeLink:
 
     def probe(self, sizes: tuple[int, ...]) -> list[Observation]:
         self.clock += _tick(self.probe_cost)
-        observations, last = [], {}
-        latency = collective_time("allreduce", 4, WORLD, self.params)
-        for size in sorted(set(sizes)):
-            for kind in KINDS:
-                nbytes = probe_size(size, last.get(kind), latency)
-                last[kind] = (nbytes, collective_time(kind, nbytes, WORLD, self.params))
-                observations.append(Observation(kind, nbytes, WORLD, last[kind][1]))
-        return observations
+        return [Observation(kind, nbytes, WORLD, seconds)
+                for kind, nbytes, seconds in predicted_probe(sizes, WORLD, self.params)]
 
     def run(self, planner: StepPlanner, steps: range, rates: dict[int, float] | None = None) -> list[tuple[float, str]]:
         """Run ``steps``; the link takes rate ``rates[s]`` from step ``s`` on.  Returns what each step ran."""

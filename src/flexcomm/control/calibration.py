@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flexcomm.control.tables import own_or_mean, pairs, unpairs
+from flexcomm.control.tables import drop_buckets, own_or_mean, pairs, unpairs
 
 Pair = tuple[int, str]
 #: ``modelled(bucket, exchange, density, world, params)``: the model's uncalibrated comm seconds.
@@ -75,8 +75,7 @@ class Calibration:
     def forget(self, buckets: set[int]) -> None:
         """Drop every pair of ``buckets``."""
         for table in (self.kappa, self.measured_at, self.anchor):
-            for key in [key for key in table if key[0] in buckets]:
-                del table[key]
+            drop_buckets(table, buckets)
         self._fresh = {key for key in self._fresh if key[0] not in buckets}
         self._recent = {key for key in self._recent if key[0] not in buckets}
 

@@ -48,7 +48,7 @@ from flexcomm.control.measurements import StepSample
 from flexcomm.control.quality import quality_factor, steps_factor
 from flexcomm.control.step_model import (EXCHANGE_ORDER, LOW_RANK, SPARSE, BucketCosts, best_plan, plan_factor,
                                          simulate_step)
-from flexcomm.control.tables import own_or_mean, pairs, unpairs
+from flexcomm.control.tables import drop_buckets, own_or_mean, pairs, unpairs
 from flexcomm.cost import HALF_BYTES, CostEstimator, CostParams, lowrank_time, predict_exchange_times
 
 #: A measured pair the model now rates this many times faster than it last measured is tried before a plan adopts it.
@@ -319,8 +319,7 @@ class ExchangeChooser:
             for bucket in buckets & set(table):
                 del table[bucket]
         for pairs_table in (self._block, self._measured_at, self._factor, self._quality):
-            for key in [key for key in pairs_table if key[0] in buckets]:
-                del pairs_table[key]
+            drop_buckets(pairs_table, buckets)
         self._calibration.forget(buckets)
         if self._explored is not None and self._explored[1] in buckets:
             self._explored = None
@@ -368,9 +367,10 @@ class ExchangeChooser:
 
     def plan_seconds(self, world: int) -> float:
         """The simulated step of the plan in force, at its density, under the model as it stands (NaN without one)."""
-        if self.plan_density is None or not self.order or set(self.plan) != set(self.order):
+        plan = self.plan_in_force()
+        if self.plan_density is None or not plan:
             return math.nan
-        return simulate_step(self.step_costs(self.plan_density, world), [self.plan[b] for b in self.order])
+        return simulate_step(self.step_costs(self.plan_density, world), plan)
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

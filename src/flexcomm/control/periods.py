@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from flexcomm.control.guard import JUMP
+from flexcomm.control.guard import jumped
 
 #: A period whose plan the model, once it learned from those steps, simulates this many times
 #: slower or faster than when they ran spans a change of link: it is not kept (:meth:`StepPeriods.agreed`).
@@ -68,7 +68,7 @@ class StepPeriods:
         """An agreed median period of steps run at ``density`` under ``plan``, and the simulated step they ran under.
         A period of another plan, or more than ``JUMP`` times off, replaces the old one whole."""
         old = self._measured.get(density)
-        if old is not None and old[3] == plan and old[0] / JUMP <= period <= old[0] * JUMP:
+        if old is not None and old[3] == plan and not jumped(old[0], period):
             period = self.smoothing * old[0] + (1.0 - self.smoothing) * period
             simulated = self.smoothing * old[1] + (1.0 - self.smoothing) * simulated
         self._measured[density] = (period, simulated, step, plan)

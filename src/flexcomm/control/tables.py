@@ -16,6 +16,12 @@ def own_or_mean(table: Table, bucket: int, exchange: str) -> float:
     return sum(others) / len(others) if others else 1.0
 
 
+def drop_buckets(table: Table, buckets: set[int]) -> None:
+    """Delete every pair of ``buckets`` from ``table``."""
+    for key in [key for key in table if key[0] in buckets]:
+        del table[key]
+
+
 def pairs(table: Table) -> list[list[Any]]:
     """The table as ``[bucket, exchange, value]`` rows (checkpoints load with ``weights_only=True``)."""
     return [[b, e, v] for (b, e), v in sorted(table.items())]

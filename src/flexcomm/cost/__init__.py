@@ -30,6 +30,7 @@ from flexcomm.cost.model import (
     dense_time,
     lowrank_time,
     predict_exchange_times,
+    predicted_probe,
     probe_size,
     probe_time,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "lowrank_time",
     "merge_observations",
     "predict_exchange_times",
+    "predicted_probe",
     "probe_size",
     "probe_time",
 ]

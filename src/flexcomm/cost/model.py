@@ -234,19 +234,24 @@ def probe_size(size: int, last: tuple[int, float] | None, latency: float) -> int
     return min(size, max(2 * last_bytes, fitting))
 
 
-def probe_time(sizes: Sequence[int], world_size: int, params: CostParams) -> float:
-    """Predicted seconds of one probe: a one-float allreduce (the latency), then every collective kind at
-    each of ``sizes`` bytes in ascending order, each cut by :func:`probe_size` on the predicted times."""
+def predicted_probe(sizes: Sequence[int], world_size: int, params: CostParams) -> list[tuple[CollectiveKind, int, float]]:
+    """``(kind, bytes, seconds)`` of every message of one probe under ``params``, in the probe's order:
+    ``sizes`` ascending, every kind at each, each cut by :func:`probe_size` on the predicted times."""
     latency = collective_time("allreduce", 4, world_size, params)
-    total = latency
-    for kind in KINDS:
-        last: tuple[int, float] | None = None
-        for size in sorted(set(sizes)):
-            nbytes = probe_size(size, last, latency)
-            seconds = collective_time(kind, nbytes, world_size, params)
-            total += seconds
-            last = (nbytes, seconds)
-    return total
+    messages: list[tuple[CollectiveKind, int, float]] = []
+    last: dict[CollectiveKind, tuple[int, float]] = {}
+    for size in sorted(set(sizes)):
+        for kind in KINDS:
+            nbytes = probe_size(size, last.get(kind), latency)
+            last[kind] = (nbytes, collective_time(kind, nbytes, world_size, params))
+            messages.append((kind, *last[kind]))
+    return messages
+
+
+def probe_time(sizes: Sequence[int], world_size: int, params: CostParams) -> float:
+    """Predicted seconds of one probe: a one-float allreduce (the latency), then :func:`predicted_probe`'s messages."""
+    latency = collective_time("allreduce", 4, world_size, params)
+    return latency + sum(seconds for _, _, seconds in predicted_probe(sizes, world_size, params))
 
 
 def allreduce_time(nbytes: float, world_size: int, link: LinkParams, algorithm: str = "ring") -> float:

@@ -324,6 +324,31 @@ def test_guard_forgets_a_dense_period_measured_before_the_link_changed() -> None
     assert "dense" not in model.measured_steps
 
 
+def test_guard_forgets_a_plan_period_measured_in_the_interval_where_dense_jumped() -> None:
+    # MLP group, seed 5, at 639773f: the interval's one plan step (18 ms) ran just before the link
+    # dropped, its all-dense16 steps after it (117 ms).  That 18 ms must not keep the plan all-dense:
+    # the guard compares again once the plan is measured on the new link.
+    model = chooser_at(1e8, [0, 1])
+    model.replan(0.01, 2)
+    simulated = dict(model.plan)
+    model.observe_steps(10, dense=0.017, other=0.018)
+    model.observe_steps(20, dense=0.117, other=0.018)
+    model.replan(0.01, 2)
+    assert model.plan == simulated
+    assert set(model.measured_steps) == {"dense"}
+    model.observe_steps(30, dense=None, other=0.025)  # the plan, measured on the new link
+    model.replan(0.01, 2)
+    assert model.plan == simulated
+    assert model.measured_steps["other"] == (0.025, 30)
+
+
+def test_guard_keeps_both_periods_when_both_jumped() -> None:
+    model = chooser_at(1e8, [0, 1])
+    model.observe_steps(10, dense=0.017, other=0.018)
+    model.observe_steps(20, dense=0.117, other=0.060)
+    assert model.measured_steps == {"dense": (0.117, 20), "other": (0.060, 20)}
+
+
 def test_guard_tries_dense_only_when_the_model_rates_it_close_to_the_plan() -> None:
     # Dense rated ~2.5x the sparse plan: the guard's trials (steps 0-2 mod guard_every) keep
     # the plan.  After a drop the model can rate dense far too fast (a 3-step trial of dense

@@ -53,16 +53,22 @@ def smoothed_periods(periods: Mapping[str, tuple[float, int]], step: int, dense:
     """``periods`` ("dense" / "other" -> (seconds, step)) after the new agreed medians (None: none ran).
 
     Each is an EWMA (``smoothing``: the old value's weight), taken whole when it jumps; when
-    one jumps, the other, measured before the change, is dropped unless re-measured too: the
-    guard compares the two again only once both are measured under the new regime.
+    one jumps, the other is dropped unless it jumped too: the guard compares the two again
+    only once both are measured under the new regime.  A median of the other kind taken in
+    the same interval is no such measurement: its steps may all predate the change.  (MLP
+    group, seed 5, at 639773f: the link dropped to 100 Mbit/s one step after the interval's
+    last plan step; all-dense16 steps jumped from 18 to 117 ms, the plan's median was that
+    one 18 ms step from before the drop, and the guard kept all-dense16 at 117 ms for
+    another interval where the plan ran 20-30 ms.)
     """
     new = {kind: seconds for kind, seconds in (("dense", dense), ("other", other)) if seconds is not None}
     changed = {kind for kind, seconds in new.items() if kind in periods and jumped(periods[kind][0], seconds)}
     result = dict(periods)
     for kind in changed:
-        unmeasured = "other" if kind == "dense" else "dense"
-        if unmeasured not in new:
-            result.pop(unmeasured, None)
+        unchanged = "other" if kind == "dense" else "dense"
+        if unchanged not in changed:
+            result.pop(unchanged, None)
+            new.pop(unchanged, None)
     for kind, seconds in new.items():
         old = result.get(kind)
         fresh = old is None or kind in changed

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mechanisms
 import runs
 from common import figure, save, write_csv
 from runs import RESULTS, Run, Spec, fmt, load, md_table, time_to_target
@@ -53,6 +54,8 @@ STATICS = (("dense", None), ("fp16", None), ("powersgd", None), ("agtopk", "0.01
            ("artopk-star", "0.01"), ("artopk-star", "0.1"))
 ADAPTIVE = (("flex", "0.01"), ("flex", "auto"))
 AUTO, FLEX_FIXED = "flex auto", "flex 0.01"
+#: The training app's agreement interval (``flex_interval``): the unit of the mechanism figures.
+AGREEMENT_INTERVAL = 10
 
 
 @dataclass(frozen=True)
@@ -129,10 +132,14 @@ def accuracy_by(run: Run, seconds: float, every: int) -> float | None:
     return final_accuracy(prefix, every)
 
 
-def row_of(run: Run, target: float | None, auto_seconds: float | None, final_every: int) -> dict[str, Any]:
+def row_of(run: Run, target: float | None, auto_seconds: float | None, final_every: int,
+           statics: Sequence[Run]) -> dict[str, Any]:
+    """One run's figures; ``statics``: the static settings' runs of the same seed (the best step per phase)."""
     densities = [r.get("density") for r in run.records]
-    switches = sum(1 for a, b in zip(densities, densities[1:]) if a is not None and b is not None and a != b)
     recorded = any("explored" in r for r in run.records)
+    switches = mechanisms.density_switches(run, settle=2 * AGREEMENT_INTERVAL)
+    slow = mechanisms.slow_intervals_after_changes(run, statics, AGREEMENT_INTERVAL) if statics else []
+    errors = [abs(e) for values in mechanisms.prediction_errors(run).values() for e in values]
     return {
         "seed": run.spec.seed, "method": method_of(run), "target": target,
         "time_to_target_s": time_to_target(run, target)[0] if target is not None else None,
@@ -142,7 +149,11 @@ def row_of(run: Run, target: float | None, auto_seconds: float | None, final_eve
         "train_time_s": sum(r["t_step"] for r in run.records),
         "mean_step_ms": 1e3 * statistics.fmean(r["t_step"] for r in run.records),
         "mean_density": statistics.fmean(d for d in densities if d is not None) if any(d is not None for d in densities) else None,
-        "switches_per_100": 100 * switches / max(1, len(densities)),
+        "plan_changes_per_100": mechanisms.plan_changes_per_100(run),
+        "density_switches_per_100": switches[0] if switches else None,
+        "density_switches_outside_changes_per_100": switches[1] if switches else None,
+        "slow_intervals_after_change": max(slow) if slow else None,
+        "median_prediction_error_pct": 100 * statistics.median(errors) if errors else None,
         "bytes_mb": sum(r["bytes"] for r in run.records) / 1e6,
         # Records written before explorations were recorded have no "explored": unknown, not none.
         "explored_per_100": 100 * sum(1 for r in run.records if r.get("explored")) / max(1, len(run.records))
@@ -255,20 +266,31 @@ def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> Non
     dense = {r.spec.seed: r for r in loaded if r.spec.compressor == "dense"}
     auto_time = {r.spec.seed: sum(x["t_step"] for x in r.records) for r in loaded if method_of(r) == AUTO}
     every = GROUPS[name].final_every
-    rows = [row_of(r, _target(dense.get(r.spec.seed)), auto_time.get(r.spec.seed), every) for r in loaded]
+    statics = {seed: [r for r in loaded if r.spec.seed == seed and not method_of(r).startswith("flex ")]
+               for seed in {r.spec.seed for r in loaded}}
+    rows = [row_of(r, _target(dense.get(r.spec.seed)), auto_time.get(r.spec.seed), every,
+                   statics[r.spec.seed] if method_of(r).startswith("flex ") else []) for r in loaded]
     write_csv(RESULTS / f"adaptive_{name}.csv", rows, float_format=".6g")
     per_seed = goals(rows)
     methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
     methods.sort(key=lambda m: (m.startswith("flex "), m))
     table = md_table(
         ["method", "time to target s", f"final acc (last {FINAL_EVALS}, every {every} steps)", "acc when auto ended", "step ms", "density",
-         "switches/100", "explored/100", "exploration cost %"],
+         "plan changes/100", "explored/100", "exploration cost %"],
         [[m, *(_summary([r[k] for r in rows if r["method"] == m])
                for k in ("time_to_target_s", "final_accuracy", "accuracy_at_auto_time", "mean_step_ms", "mean_density",
-                         "switches_per_100")),
+                         "plan_changes_per_100")),
           *(_summary(values) if any(v is not None for v in values) else "-"
             for values in ([r[k] for r in rows if r["method"] == m] for k in ("explored_per_100", "exploration_cost_pct")))]
          for m in methods])
+    mechanism_table = md_table(
+        ["method", "density switches/100 (outside link changes; goal <= 3)", "all density switches/100",
+         "slow intervals after a link change (worst change; goal <= 1)", "median prediction error % (goal <= 20)"],
+        [[m, *(_summary(values) if any(v is not None for v in values) else "-"
+               for values in ([r[k] for r in rows if r["method"] == m]
+                              for k in ("density_switches_outside_changes_per_100", "density_switches_per_100",
+                                        "slow_intervals_after_change", "median_prediction_error_pct")))]
+         for m in methods if m.startswith("flex ")])
     goal_table = md_table(
         ["seed", "fastest static", "auto / fastest static (<= 1.0 median, 1.15 worst)", "auto - dense, points (>= -1)",
          "auto - dense when auto ended, points", "flex 0.01 / best fixed 0.01 (<= 1.05)"],
@@ -291,6 +313,9 @@ def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> Non
     text = (f"# Adaptive engine end to end: {group.model}, 2 ranks, {group.steps} steps, link {group.net}\n\n"
             f"Command: `python benchmarks/adaptive_e2e.py --group {name}{''.join(' --also-rule ' + r for r in other_rules)}`; target 0.95 x dense's best per seed; "
             f"full test set every {group.eval_every} steps.\n\n{headline}\n\n{table}\n\n{goal_table}\n\n"
+            f"Mechanisms (`benchmarks/mechanisms.py`; an interval is {AGREEMENT_INTERVAL} steps; slow: median step over "
+            f"1.5 x the fastest static's median step in the same phase of the link; plan changes above count "
+            f"changes of the recorded step density, which also moves with flex's exchange plan):\n\n{mechanism_table}\n\n"
             f"The same runs at other targets (link schedule {group.net}, on the wall clock):\n\n{sensitivity_table}\n")
     (RESULTS / f"adaptive_{name}.md").write_text(text)
     print(text)

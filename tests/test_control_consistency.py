@@ -12,7 +12,7 @@ import torch
 from fake_link import FakeLink, agreement_points, make_planner, spy_updates
 from flexcomm.control import DensityController, StepPlanner
 from flexcomm.control.periods import StepPeriods
-from flexcomm.cost import Observation
+from flexcomm.cost import LinkParams, Observation
 from multiproc import raised, run_world
 from test_hook_distributed import exchange, gradient, hooked_model
 
@@ -131,6 +131,18 @@ def test_a_link_drop_keeps_forward_and_optimizer_in_every_prediction(monkeypatch
     for step, seconds in after:
         assert min(seconds) >= 0.95 * link.compute, (step, seconds)
     assert controller.density != CANDIDATES[-1]
+
+
+def test_a_link_drop_seen_on_the_plan_s_collectives_moves_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    # flex at 0.01 on a 10 Gbit/s link runs dense (allreduces only); from step 25 the link is
+    # 100x slower.  The agreement at step 30 must move the allgather's fit too (AG-Topk is rated
+    # on it); before, it kept its 10 Gbit/s fit until AG-Topk ran again (MLP group, seed 3).
+    link = FakeLink(monkeypatch.setattr, rate_bps=10e9)
+    planner = make_planner(None, None, density=0.01)
+    ran = link.run(planner, range(31), rates={25: 100e6})
+    assert {exchange for _, exchange in ran[20:30]} <= {"dense", "dense16"}
+    slow = LinkParams.from_bandwidth(link.alpha, 100e6).beta
+    assert 0.5 * slow <= planner.chooser.params.allgather.beta <= 2.05 * slow  # within KIND_SPREAD (was 1/100)
 
 
 @pytest.mark.parametrize("exchange", ["agtopk", None])

@@ -376,3 +376,92 @@ def test_a_probe_s_predicted_time_follows_its_cut_sizes(rate_bps, cut):
     small = sum(collective_time(kind, 65536, 2, params) for kind in KINDS)
     larger = sum(max(1.2 * PROBE_MESSAGE_SECONDS, collective_time(kind, 2 * 65536, 2, params)) for kind in KINDS)
     assert predicted <= latency + small + larger
+
+
+def _fitted_at(link: LinkParams) -> CostEstimator:
+    """A cost estimator whose every kind has 200 noiseless samples of ``link`` (gloo's algorithms, 2 ranks)."""
+    est = CostEstimator()
+    for nbytes, _ in _samples(random.Random(7), 200):
+        for kind in KINDS:
+            est.observe(kind, nbytes, 2, _time(kind, est.estimators[kind].algorithm, link, nbytes, 2))
+    return est
+
+
+def test_shift_beta_moves_the_fit_exactly_and_keeps_alpha():
+    est = _fitted_at(LinkParams(2e-4, 8e-9)).estimators["allgather"]
+    before = est.params
+    est.shift_beta(10.0)
+    assert est.params.alpha == pytest.approx(before.alpha, rel=1e-9)
+    assert est.params.beta == pytest.approx(10.0 * before.beta, rel=1e-9)
+    with pytest.raises(ValueError, match="factor must be finite and > 0"):
+        est.shift_beta(0.0)
+
+
+SIZES = (1_300_000, 1_400_000, 1_500_000, 1_600_000)
+
+
+def test_a_batch_that_shows_the_link_dropped_moves_the_kinds_it_did_not_sample():
+    # MLP group, seed 3, at 639773f: after a drop to 100 Mbit/s only all-dense steps ran (allreduces);
+    # AG-Topk's allgathers were still rated at 1 Gbit/s, chosen, and ran 3-4x the low-rank steps.
+    fast, slow = LinkParams(2e-4, 8e-9), LinkParams(2e-4, 8e-8)
+    est = _fitted_at(fast)
+    # The interval spans the drop: its older samples are still on the fast link.
+    batch = [Observation("allreduce", n, 2, allreduce_time(n, 2, link)) for link in (fast, slow) for n in SIZES]
+    shifts = est.observe_batch(batch)
+    assert shifts["allreduce"] == pytest.approx(10.0, rel=0.02)
+    assert shifts["allgather"] == pytest.approx(shifts["allreduce"]) == shifts["broadcast"]
+    big = 4_000_000
+    assert allgather_time(big, 2, est.params.allgather) == pytest.approx(allgather_time(big, 2, slow), rel=0.05)
+    assert broadcast_time(big, 2, est.params.broadcast) == pytest.approx(broadcast_time(big, 2, slow), rel=0.05)
+    assert allreduce_time(big, 2, est.params.allreduce) == pytest.approx(allreduce_time(big, 2, slow), rel=0.2)
+
+    unshifted = _fitted_at(fast)  # without the shift the allgather keeps its 1 Gbit/s fit
+    before = unshifted.params.allgather
+    unshifted.observe_all(batch)
+    assert unshifted.params.allgather == before
+    assert before.beta == pytest.approx(fast.beta, rel=0.01)
+
+
+def test_a_link_that_came_back_moves_the_fits_down_alike():
+    fast, slow = LinkParams(2e-4, 8e-9), LinkParams(2e-4, 8e-8)
+    est = _fitted_at(slow)
+    shifts = est.observe_batch([Observation("allgather", n, 2, allgather_time(n, 2, fast)) for n in SIZES])
+    assert shifts["allgather"] == pytest.approx(0.1, rel=0.02)
+    assert shifts["allreduce"] == pytest.approx(0.1, rel=0.02)
+
+
+@pytest.mark.parametrize("ratios", [
+    pytest.param([2.5, 2.0, 2.9, 2.2], id="within-3x"),  # noise on a busy CPU, not a new link
+    pytest.param([10.0, 10.0, 10.0], id="three-samples"),  # one slow step's buckets
+    pytest.param([10.0, 10.0, 1.0, 10.0], id="one-of-the-newest-within"),
+    pytest.param([10.0, 10.0, 10.0, 10.0, 1.0], id="the-newest-within"),
+])
+def test_a_batch_without_a_clear_shift_moves_nothing(ratios):
+    fast = LinkParams(2e-4, 8e-9)
+    est = _fitted_at(fast)
+    before = est.params
+    slower = [LinkParams(fast.alpha, r * fast.beta) for r in ratios]
+    batch = [Observation("allreduce", 1_300_000, 2, allreduce_time(1_300_000, 2, link)) for link in slower]
+    assert est.regime_shift(batch) == {}
+    est.observe_batch(batch)
+    assert est.params.allgather == before.allgather
+
+
+def test_a_kind_whose_own_samples_did_not_shift_is_not_moved():
+    fast, slow = LinkParams(2e-4, 8e-9), LinkParams(2e-4, 8e-8)
+    est = _fitted_at(fast)
+    batch = ([Observation("allreduce", n, 2, allreduce_time(n, 2, slow)) for n in SIZES]
+             + [Observation("allgather", n, 2, allgather_time(n, 2, fast)) for n in SIZES])
+    assert set(est.regime_shift(batch)) == {"allreduce", "broadcast"}
+
+
+def test_a_kind_follows_a_shift_within_the_kinds_spread():
+    # An allreduce fit 4x under the allgather's (poorly identified) is not allowed to put the
+    # allgather 4x above the link the allreduce's samples now show.
+    fast, slow = LinkParams(2e-4, 8e-9), LinkParams(2e-4, 8e-8)
+    est = _fitted_at(fast)
+    est.estimators["allreduce"].shift_beta(0.25)
+    implied = 4 * 10 * est.estimators["allreduce"].params.beta  # what its samples below show: slow.beta
+    assert implied == pytest.approx(slow.beta, rel=0.02)
+    est.observe_batch([Observation("allreduce", n, 2, allreduce_time(n, 2, slow)) for n in SIZES])
+    assert est.params.allgather.beta == pytest.approx(2.0 * slow.beta, rel=0.05)

@@ -362,8 +362,8 @@ class StepPlanner:
         # call): from step 0 AG-Topk on a 268k-element bucket was rated 10-12 ms at 1 Gbit (predicted 0.4-0.9)
         # and not run again for the whole 1 Gbit phase (MLP group, seed 4, flex at 0.01).
         fed = [a for a in agreed if a.sample.step > 0]
-        self.chooser.estimator.observe_all(a.sample.observation._replace(seconds=a.service) for a in fed
-                                           if a.sample.observation.nbytes >= smallest)
+        self.chooser.estimator.observe_batch(a.sample.observation._replace(seconds=a.service) for a in fed
+                                             if a.sample.observation.nbytes >= smallest)
         self.chooser.sizes = {a.sample.bucket: (a.sample.numel, a.sample.value_bytes) for a in agreed
                               if a.sample.step == last}
         for step in sorted({a.sample.step for a in fed}):

@@ -39,6 +39,21 @@ Constraint.  ``theta >= 0`` is solved exactly (two-variable non-negative least s
 the unconstrained solution if feasible, else the better of the two one-variable fits on
 the faces ``u = 0`` and ``v = 0``), not by clipping.
 
+Regime shifts.  Forgetting follows a link that changed only as fast as new samples of each
+kind come in, and a kind the plan does not use gets none: after a drop from 1 Gbit/s to
+100 Mbit/s the allreduces of all-dense steps refitted that kind within an interval while the
+allgather's fit stayed at 1 Gbit/s, so AG-Topk was rated fast, chosen, and ran 56-93 ms steps
+for an interval where low-rank steps took 22 ms (MLP group, seed 3, at 639773f).  So a batch of
+samples (one agreement point's) is read before it is fed: a kind whose ``SHIFT_MIN_SAMPLES``
+newest bandwidth-bound samples (the fit's bandwidth term at least ``BANDWIDTH_BOUND`` of its
+prediction) each have a ``beta`` ratio -- measured time less the fit's latency term, over its
+bandwidth term -- beyond ``SHIFT`` the same way shows a change of regime (the newest: an interval
+can span the change).  Then that kind's fit moves to ``(alpha, r beta)``, ``r`` the median of
+those ratios, and every kind without such samples in the batch to the shifted kind's new
+``beta`` times the ratio of their old betas (within ``KIND_SPREAD``): the kinds share one link,
+and its bandwidth moved.  The move rebases the sums (``r := M theta' - p (1, 1)``, so the solution is exactly
+``theta'`` with the samples' weights kept) before the batch itself is fed.
+
 Agreement across ranks.  The arithmetic is plain Python floats in a fixed order, so
 estimators fed identical samples in identical order hold bitwise identical state.  The
 communication layer should (1) time each collective locally, (2) combine the per-rank
@@ -52,6 +67,7 @@ the merged samples to every rank's estimator in the same order.  Broadcasting ra
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -77,6 +93,17 @@ STATE_VERSION = 1
 IDENTIFIED_RATIO = 1e-3
 #: Weight of the pull towards the prior's direction, relative to the samples' total weight.
 PERPENDICULAR_RIDGE = 1e-2
+#: A batch's median beta ratio (measured over fitted bandwidth time) beyond this factor either way is a change of regime
+#: (the guard's ``JUMP``): 1 Gbit/s <-> 100 Mbit/s is 10x, timing noise on a busy CPU under 2x.
+SHIFT = 3.0
+#: A shift is called on this many of a kind's newest bandwidth-bound samples in a batch, each beyond
+#: ``SHIFT`` the same way: one slow step (two buckets' samples) is noise.
+SHIFT_MIN_SAMPLES = 4
+#: How far apart two kinds' betas may stay when one follows the other's shift (gloo's allgather
+#: measured ~1.5x its allreduce per byte here; an old fit can be further off where it was poorly identified).
+KIND_SPREAD = 2.0
+#: A sample is bandwidth-bound when the fit's bandwidth term is at least this share of its prediction.
+BANDWIDTH_BOUND = 0.8
 
 
 class Observation(NamedTuple):
@@ -159,12 +186,36 @@ class AlphaBetaEstimator:
         link = self.params
         return a * link.alpha + b * link.beta
 
-    def _solve(self) -> tuple[float, float]:
-        """Minimise ``theta^T M theta - 2 c^T theta`` over ``theta >= 0`` (``M`` is positive definite)."""
+    def beta_ratio(self, nbytes: int, world_size: int, seconds: float) -> float | None:
+        """The factor on ``beta`` that would make the fit predict ``seconds`` for this collective, when it is
+        bandwidth-bound (the fit's bandwidth term at least ``BANDWIDTH_BOUND`` of its prediction); else None."""
+        a, b = collective_coefficients(self.kind, self.algorithm, nbytes, world_size)
+        link = self.params
+        latency, bandwidth = a * link.alpha, b * link.beta
+        if bandwidth <= 0.0 or bandwidth < BANDWIDTH_BOUND * (latency + bandwidth):
+            return None
+        return max(0.0, seconds - latency) / bandwidth
+
+    def shift_beta(self, factor: float) -> None:
+        """Move the fit to ``(alpha, factor * beta)``, keeping the samples' weights (see "Regime shifts")."""
+        if not (math.isfinite(factor) and factor > 0.0):
+            raise ValueError(f"factor must be finite and > 0, got {factor}")
+        u, v = self._solve()
+        v *= factor
+        muu, muv, mvv, p = self._system()
+        self._r = [muu * u + muv * v - p, muv * u + mvv * v - p]
+
+    def _system(self) -> tuple[float, float, float, float]:
+        """``M``'s entries (uu, uv, vv) and the prior's weight ``p``: the fit minimises
+        ``theta^T M theta - 2 (r + p (1, 1))^T theta``."""
         p = self._prior_weight
         q = self._perpendicular_ridge()
-        # M = S + p I + q P with P = [[1/2, -1/2], [-1/2, 1/2]]; c = r + p (1, 1) (P (1, 1) = 0).
-        muu, muv, mvv = self._s[0] + p + 0.5 * q, self._s[1] - 0.5 * q, self._s[2] + p + 0.5 * q
+        # M = S + p I + q P with P = [[1/2, -1/2], [-1/2, 1/2]] (P (1, 1) = 0).
+        return self._s[0] + p + 0.5 * q, self._s[1] - 0.5 * q, self._s[2] + p + 0.5 * q, p
+
+    def _solve(self) -> tuple[float, float]:
+        """Minimise ``theta^T M theta - 2 c^T theta`` over ``theta >= 0`` (``M`` is positive definite)."""
+        muu, muv, mvv, p = self._system()
         cu, cv = self._r[0] + p, self._r[1] + p
         det = muu * mvv - muv * muv
         u = (mvv * cu - muv * cv) / det
@@ -257,6 +308,41 @@ class CostEstimator:
         """Add samples in order (feed every rank the same merged list to keep ranks identical)."""
         for obs in observations:
             self.observe(obs.kind, obs.nbytes, obs.world_size, obs.seconds)
+
+    def observe_batch(self, observations: Iterable[Observation]) -> dict[CollectiveKind, float]:
+        """Add one agreed batch in order, first moving each kind's fit if the batch shows a change of regime
+        (module docstring, "Regime shifts"); returns the factor each kind's ``beta`` was moved by."""
+        batch = list(observations)
+        shifts = self.regime_shift(batch)
+        for kind, factor in shifts.items():
+            self.estimators[kind].shift_beta(factor)
+        self.observe_all(batch)
+        return shifts
+
+    def regime_shift(self, batch: Sequence[Observation]) -> dict[CollectiveKind, float]:
+        """The ``beta`` factor per kind that ``batch`` calls for (empty: no change of regime)."""
+        ratios: dict[CollectiveKind, list[float]] = {}
+        for obs in batch:
+            ratio = self.estimators[obs.kind].beta_ratio(obs.nbytes, obs.world_size, obs.seconds)
+            if ratio is not None:
+                ratios.setdefault(obs.kind, []).append(ratio)
+        # The newest samples: a batch can span the change (the plan may also leave a kind right after it).
+        newest = {kind: r[-SHIFT_MIN_SAMPLES:] for kind, r in ratios.items() if len(r) >= SHIFT_MIN_SAMPLES}
+        evidence = {kind: statistics.median(r) for kind, r in newest.items()}
+        shifted = {kind: evidence[kind] for kind, r in newest.items() if min(r) > SHIFT or 0.0 < max(r) < 1.0 / SHIFT}
+        if not shifted:
+            return {}
+        # The kinds without evidence follow the most sampled shifted kind's new beta, keeping their ratio
+        # to its old one within KIND_SPREAD (a fit that was poorly identified is not amplified).
+        ref = max(shifted, key=lambda kind: (len(ratios[kind]), -KINDS.index(kind)))
+        ref_beta = self.estimators[ref].params.beta
+        factors = dict(shifted)
+        for kind in KINDS:
+            beta = self.estimators[kind].params.beta
+            if kind not in evidence and beta > 0.0 and ref_beta > 0.0:
+                relative = min(KIND_SPREAD, max(1.0 / KIND_SPREAD, beta / ref_beta))
+                factors[kind] = ref_beta * shifted[ref] * relative / beta
+        return factors
 
     @property
     def params(self) -> CostParams:

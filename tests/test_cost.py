@@ -422,17 +422,17 @@ def test_a_batch_that_shows_the_link_dropped_moves_the_kinds_it_did_not_sample()
     assert before.beta == pytest.approx(fast.beta, rel=0.01)
 
 
-def test_a_link_that_came_back_moves_the_fits_down_alike():
+def test_samples_faster_than_the_fit_shift_nothing():
+    # A shaped link's burst lets small messages through far faster than its rate: read as a link that
+    # came back, every kind would be moved there.  Forgetting learns a faster link instead.
     fast, slow = LinkParams(2e-4, 8e-9), LinkParams(2e-4, 8e-8)
     est = _fitted_at(slow)
-    shifts = est.observe_batch([Observation("allgather", n, 2, allgather_time(n, 2, fast)) for n in SIZES])
-    assert shifts["allgather"] == pytest.approx(0.1, rel=0.02)
-    assert shifts["allreduce"] == pytest.approx(0.1, rel=0.02)
+    assert est.observe_batch([Observation("allgather", n, 2, allgather_time(n, 2, fast)) for n in SIZES]) == {}
 
 
 @pytest.mark.parametrize("ratios", [
     pytest.param([2.5, 2.0, 2.9, 2.2], id="within-3x"),  # noise on a busy CPU, not a new link
-    pytest.param([10.0, 10.0, 10.0], id="three-samples"),  # one slow step's buckets
+    pytest.param([10.0], id="one-sample"),
     pytest.param([10.0, 10.0, 1.0, 10.0], id="one-of-the-newest-within"),
     pytest.param([10.0, 10.0, 10.0, 10.0, 1.0], id="the-newest-within"),
 ])

@@ -44,15 +44,19 @@ kind come in, and a kind the plan does not use gets none: after a drop from 1 Gb
 100 Mbit/s the allreduces of all-dense steps refitted that kind within an interval while the
 allgather's fit stayed at 1 Gbit/s, so AG-Topk was rated fast, chosen, and ran 56-93 ms steps
 for an interval where low-rank steps took 22 ms (MLP group, seed 3, at 639773f).  So a batch of
-samples (one agreement point's) is read before it is fed: a kind whose ``SHIFT_MIN_SAMPLES``
-newest bandwidth-bound samples (the fit's bandwidth term at least ``BANDWIDTH_BOUND`` of its
-prediction) each have a ``beta`` ratio -- measured time less the fit's latency term, over its
-bandwidth term -- beyond ``SHIFT`` the same way shows a change of regime (the newest: an interval
-can span the change).  Then that kind's fit moves to ``(alpha, r beta)``, ``r`` the median of
-those ratios, and every kind without such samples in the batch to the shifted kind's new
-``beta`` times the ratio of their old betas (within ``KIND_SPREAD``): the kinds share one link,
-and its bandwidth moved.  The move rebases the sums (``r := M theta' - p (1, 1)``, so the solution is exactly
-``theta'`` with the samples' weights kept) before the batch itself is fed.
+samples (one agreement point's) is read before it is fed.  A kind whose ``SHIFT_MIN_SAMPLES``
+newest bandwidth-bound samples (the fit's latency term at most ``1 - BANDWIDTH_BOUND`` of the
+predicted or the measured time) each have a ``beta`` ratio -- measured time less the fit's
+latency term, over its bandwidth term -- over ``SHIFT`` shows a link that slowed down (the
+newest: an interval can span the change).  That kind's fit moves to ``(alpha, r beta)``, ``r``
+the median of those ratios, and every kind without such samples in the batch to the shifted
+kind's new ``beta`` times the ratio of their old betas (within ``KIND_SPREAD``): the kinds share
+one link.  The move rebases the sums (``r := M theta' - p (1, 1)``, so the solution is exactly
+``theta'`` with the samples' weights kept) before the batch itself is fed.  Only slower: on a
+shaped link, messages that fit in its burst pass faster than its rate, so a kind fitted on
+large messages would read its smaller ones as a faster link and move every kind there until
+the next large message moved them back; a link that came back is learned by forgetting (sparse
+steps, the choice of a slow link, stay fast on it meanwhile).
 
 Agreement across ranks.  The arithmetic is plain Python floats in a fixed order, so
 estimators fed identical samples in identical order hold bitwise identical state.  The
@@ -93,16 +97,20 @@ STATE_VERSION = 1
 IDENTIFIED_RATIO = 1e-3
 #: Weight of the pull towards the prior's direction, relative to the samples' total weight.
 PERPENDICULAR_RIDGE = 1e-2
-#: A batch's median beta ratio (measured over fitted bandwidth time) beyond this factor either way is a change of regime
+#: Beta ratios (measured over fitted bandwidth time) all over this factor show a link that slowed down
 #: (the guard's ``JUMP``): 1 Gbit/s <-> 100 Mbit/s is 10x, timing noise on a busy CPU under 2x.
 SHIFT = 3.0
 #: A shift is called on this many of a kind's newest bandwidth-bound samples in a batch, each beyond
-#: ``SHIFT`` the same way: one slow step (two buckets' samples) is noise.
-SHIFT_MIN_SAMPLES = 4
+#: ``SHIFT`` the same way: one slow sample is noise.  Two, because an interval often holds only a few
+#: steps after the change, and a plan that mixes exchanges gives a kind one sample per step (MLP
+#: group, seed 5: two slow steps before the agreement; the plan then ran fp32 dense on one bucket,
+#: whose pair followed the old fit, at 100 ms per step against 20 ms for the low-rank plan after).
+#: A false call costs one interval: the next batch shifts the fits back.
+SHIFT_MIN_SAMPLES = 2
 #: How far apart two kinds' betas may stay when one follows the other's shift (gloo's allgather
 #: measured ~1.5x its allreduce per byte here; an old fit can be further off where it was poorly identified).
 KIND_SPREAD = 2.0
-#: A sample is bandwidth-bound when the fit's bandwidth term is at least this share of its prediction.
+#: A sample is bandwidth-bound when the fit's latency term is at most 1 minus this share of its predicted or measured time.
 BANDWIDTH_BOUND = 0.8
 
 
@@ -188,11 +196,12 @@ class AlphaBetaEstimator:
 
     def beta_ratio(self, nbytes: int, world_size: int, seconds: float) -> float | None:
         """The factor on ``beta`` that would make the fit predict ``seconds`` for this collective, when it is
-        bandwidth-bound (the fit's bandwidth term at least ``BANDWIDTH_BOUND`` of its prediction); else None."""
+        bandwidth-bound: the fit's latency term at most ``1 - BANDWIDTH_BOUND`` of the predicted or of the
+        measured time (a link that slowed down makes a message bandwidth-bound that was not); else None."""
         a, b = collective_coefficients(self.kind, self.algorithm, nbytes, world_size)
         link = self.params
         latency, bandwidth = a * link.alpha, b * link.beta
-        if bandwidth <= 0.0 or bandwidth < BANDWIDTH_BOUND * (latency + bandwidth):
+        if bandwidth <= 0.0 or latency > (1.0 - BANDWIDTH_BOUND) * max(seconds, latency + bandwidth):
             return None
         return max(0.0, seconds - latency) / bandwidth
 
@@ -329,7 +338,7 @@ class CostEstimator:
         # The newest samples: a batch can span the change (the plan may also leave a kind right after it).
         newest = {kind: r[-SHIFT_MIN_SAMPLES:] for kind, r in ratios.items() if len(r) >= SHIFT_MIN_SAMPLES}
         evidence = {kind: statistics.median(r) for kind, r in newest.items()}
-        shifted = {kind: evidence[kind] for kind, r in newest.items() if min(r) > SHIFT or 0.0 < max(r) < 1.0 / SHIFT}
+        shifted = {kind: evidence[kind] for kind, r in newest.items() if min(r) > SHIFT}
         if not shifted:
             return {}
         # The kinds without evidence follow the most sampled shifted kind's new beta, keeping their ratio

@@ -22,8 +22,8 @@ less than each rank's own top-k), the all-dense steps none.  Compared raw, a pla
 low-rank buckets (quality 0.8-0.9) ran 13-23 ms steps at 1 Gbit, as PyTorch's fp16 hook did, and
 kept its 1.1-1.25x steps for the whole phase (MLP group, seed 5, at 70d1f80).
 
-A period takes a new value whole when it differs from the old one by more than a factor
-``JUMP``: a change of regime (a link that dropped or came back), not noise to average away.
+A period more than a factor ``JUMP`` off the old one is a change of regime (a link that dropped
+or came back), not noise to average away: both periods start over (:func:`smoothed_periods`).
 """
 
 from __future__ import annotations
@@ -52,27 +52,22 @@ def smoothed_periods(periods: Mapping[str, tuple[float, int]], step: int, dense:
                      smoothing: float) -> dict[str, tuple[float, int]]:
     """``periods`` ("dense" / "other" -> (seconds, step)) after the new agreed medians (None: none ran).
 
-    Each is an EWMA (``smoothing``: the old value's weight), taken whole when it jumps; when
-    one jumps, the other is dropped unless it jumped too: the guard compares the two again
-    only once both are measured under the new regime.  A median of the other kind taken in
-    the same interval is no such measurement: its steps may all predate the change.  (MLP
-    group, seed 5, at 639773f: the link dropped to 100 Mbit/s one step after the interval's
-    last plan step; all-dense16 steps jumped from 18 to 117 ms, the plan's median was that
-    one 18 ms step from before the drop, and the guard kept all-dense16 at 117 ms for
-    another interval where the plan ran 20-30 ms.)
+    Each is an EWMA (``smoothing``: the old value's weight).  When either jumps (a change of
+    regime) both are dropped, the new medians too: the interval that saw the change mixes the
+    two regimes in them, and the guard compares the two again once both are measured after it.
+    Keeping them had the guard decide on that mix: a plan step from before a drop (MLP group,
+    seed 5, at 639773f: the plan's median 18 ms against all-dense16's 117 ms after the drop to
+    100 Mbit/s, all-dense16 for another interval), or the transition's steps after it (seed 4 at
+    9bd6434: the plan's median 189 ms, all-dense16's 121, and all-dense16 for 20 steps and more,
+    where the low-rank plan took 20-25 ms in the other runs).
     """
     new = {kind: seconds for kind, seconds in (("dense", dense), ("other", other)) if seconds is not None}
-    changed = {kind for kind, seconds in new.items() if kind in periods and jumped(periods[kind][0], seconds)}
+    if any(kind in periods and jumped(periods[kind][0], seconds) for kind, seconds in new.items()):
+        return {}
     result = dict(periods)
-    for kind in changed:
-        unchanged = "other" if kind == "dense" else "dense"
-        if unchanged not in changed:
-            result.pop(unchanged, None)
-            new.pop(unchanged, None)
     for kind, seconds in new.items():
         old = result.get(kind)
-        fresh = old is None or kind in changed
-        result[kind] = (seconds, step) if fresh else (smoothing * old[0] + (1.0 - smoothing) * seconds, step)
+        result[kind] = (seconds, step) if old is None else (smoothing * old[0] + (1.0 - smoothing) * seconds, step)
     return result
 
 

@@ -145,6 +145,19 @@ def test_a_link_drop_seen_on_the_plan_s_collectives_moves_the_others(monkeypatch
     assert 0.5 * slow <= planner.chooser.params.allgather.beta <= 2.05 * slow  # within KIND_SPREAD (was 1/100)
 
 
+def test_a_link_drop_seen_on_the_collectives_restarts_the_guard_s_periods(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compute (100 ms) hides the drop from the step periods (102 -> ~166 ms, under the guard's own
+    # 3x jump); the collectives show it.  Periods from before it must not decide the guard after it
+    # (MLP group, seed 4, at c90b666: all-dense16 steps of the fast link, 19 ms, against plan steps
+    # after the drop, 56 ms, held all-dense16 at 120 ms).
+    link = FakeLink(monkeypatch.setattr, rate_bps=10e9)
+    planner = make_planner(None, None, density=0.01)
+    link.run(planner, range(41))
+    assert set(planner.chooser.measured_steps) == {"dense", "other"}
+    link.run(planner, range(41, 51), rates={45: 100e6})
+    assert planner.chooser.measured_steps == {}
+
+
 @pytest.mark.parametrize("exchange", ["agtopk", None])
 def test_a_period_measured_across_a_link_drop_is_not_taken_for_time_the_model_leaves_out(
         monkeypatch: pytest.MonkeyPatch, exchange: str | None) -> None:

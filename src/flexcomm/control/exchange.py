@@ -254,9 +254,14 @@ class ExchangeChooser:
         now = calibration.of(bucket, exchange) * self._modelled(bucket, density, measured_world, self.params)[exchange]
         return now * TRUST_DRIFT < anchor
 
-    def observe_steps(self, step: int, dense: float | None, other: float | None) -> None:
-        """Agreed median step periods of the last all-dense steps and of the others (None: none ran)."""
-        self.measured_steps = smoothed_periods(self.measured_steps, step, dense, other, self.smoothing)
+    def observe_steps(self, step: int, dense: float | None, other: float | None, link_changed: bool = False) -> None:
+        """Agreed median step periods of the last all-dense steps and of the others (None: none ran).
+
+        ``link_changed``: the collectives showed a change of regime (:meth:`CostEstimator.observe_batch`):
+        both periods start over, as when one of them jumps (:func:`~flexcomm.control.guard.smoothed_periods`).
+        """
+        periods = smoothed_periods(self.measured_steps, step, dense, other, self.smoothing)
+        self.measured_steps = {} if link_changed else periods
 
     @property
     def guard_exchange(self) -> str:

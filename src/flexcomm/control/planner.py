@@ -73,6 +73,7 @@ from flexcomm.compress import TopkWorkspace
 from flexcomm.control.density import DensityController
 from flexcomm.control.exchange import ExchangeChooser
 from flexcomm.control.gain_curve import GainCurve
+from flexcomm.control.intake import feed_agreed
 from flexcomm.control.agreement_point import AgreementPoint
 from flexcomm.control.measurements import AgreedSample
 from flexcomm.control.periods import RecentPeriods, StepPeriods
@@ -351,28 +352,7 @@ class StepPlanner:
         self._new_periods = {c: (t, sim) for c, t, sim in zip(candidates, by_density[:n], by_density[n:]) if t > 0.0}
         if not agreed:
             return
-        last = agreed[-1].sample.step
-        # The collectives' own times are clean network samples (the raw ones counted queueing).  Those
-        # smaller than the smallest probe are left to the per-pair calibration: a shaped link lets a
-        # burst through faster than its rate, and a plan of small messages (low-rank factors, 20-33 KB
-        # on the MLP) fitted 20 Mbit/s as several Gbit/s, rating dense cheap again and again.
-        smallest = min(self.probe_sizes)
-        # Step 0's exchanges carry one-time costs (buffers allocated, each collective's and kernel's first
-        # call): from step 0 AG-Topk on a 268k-element bucket was rated 10-12 ms at 1 Gbit (predicted 0.4-0.9)
-        # and not run again for the whole 1 Gbit phase (MLP group, seed 4, flex at 0.01).
-        fed = [a for a in agreed if a.sample.step > 0]
-        shifted = self.chooser.estimator.observe_batch(a.sample.observation._replace(seconds=a.service) for a in fed
-                                                       if a.sample.observation.nbytes >= smallest)
-        # A link that changed makes the guard's periods from before it (or across it) stale too: seen only
-        # in the periods, all-dense16 steps measured on a fast link (19 ms) were compared with plan steps
-        # measured after a drop to 100 Mbit/s (56 ms) and held at 120 ms (MLP group, seed 4, at c90b666).
-        self.chooser.observe_steps(last, dense_period or None, other_period or None, link_changed=bool(shifted))
-        self.chooser.sizes = {a.sample.bucket: (a.sample.numel, a.sample.value_bytes) for a in agreed
-                              if a.sample.step == last}
-        for step in sorted({a.sample.step for a in fed}):
-            self.chooser.observe(step, [a.step_sample() for a in fed
-                                        if a.sample.step == step and a.sample.bucket in self.chooser.sizes],
-                                 self.world_size)
+        feed_agreed(self.chooser, agreed, dense_period, other_period, min(self.probe_sizes), self.world_size)
         self.prediction_log.extend((a.sample.exchange, a.sample.predicted, a.block + a.service) for a in agreed
                                    if math.isfinite(a.sample.predicted))
 

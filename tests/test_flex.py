@@ -324,16 +324,23 @@ def test_guard_forgets_a_dense_period_measured_before_the_link_changed() -> None
     assert "dense" not in model.measured_steps
 
 
+def _guard_across_a_drop(density: float, dense: float, other: float) -> tuple[ExchangeChooser, dict[int, str]]:
+    """A chooser whose guard measured 17 / 18 ms at step 10 and ``dense`` / ``other`` at step 20, replanned;
+    and the plan the simulation makes."""
+    model = chooser_at(1e8, [0, 1])
+    model.replan(density, 2)
+    simulated = dict(model.plan)
+    model.observe_steps(10, dense=0.017, other=0.018)
+    model.observe_steps(20, dense=dense, other=other)
+    model.replan(density, 2)
+    return model, simulated
+
+
 def test_guard_forgets_a_plan_period_measured_in_the_interval_where_dense_jumped() -> None:
     # MLP group, seed 5, at 639773f: the interval's one plan step (18 ms) ran just before the link
     # dropped, its all-dense16 steps after it (117 ms).  That 18 ms must not keep the plan all-dense:
     # the guard compares again once both are measured on the new link.
-    model = chooser_at(1e8, [0, 1])
-    model.replan(0.01, 2)
-    simulated = dict(model.plan)
-    model.observe_steps(10, dense=0.017, other=0.018)
-    model.observe_steps(20, dense=0.117, other=0.018)
-    model.replan(0.01, 2)
+    model, simulated = _guard_across_a_drop(0.01, dense=0.117, other=0.018)
     assert model.plan == simulated
     assert model.measured_steps == {}
     model.observe_steps(30, dense=None, other=0.025)  # the plan, measured on the new link
@@ -346,12 +353,7 @@ def test_guard_forgets_both_periods_when_both_jumped() -> None:
     # MLP group, seed 4, at 9bd6434: in the interval of a drop the plan's median read 189 ms (the
     # transition's steps) against all-dense16's 121 ms, and the guard held all-dense16 for 20 steps
     # and more where the low-rank plan took 20-25 ms.
-    model = chooser_at(1e8, [0, 1])
-    model.replan(1.0, 2)
-    simulated = dict(model.plan)
-    model.observe_steps(10, dense=0.017, other=0.018)
-    model.observe_steps(20, dense=0.121, other=0.189)
-    model.replan(1.0, 2)
+    model, simulated = _guard_across_a_drop(1.0, dense=0.121, other=0.189)
     assert model.measured_steps == {}
     assert model.plan == simulated
 

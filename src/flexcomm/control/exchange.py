@@ -260,8 +260,8 @@ class ExchangeChooser:
         ``link_changed``: the collectives showed a change of regime (:meth:`CostEstimator.observe_batch`):
         both periods start over, as when one of them jumps (:func:`~flexcomm.control.guard.smoothed_periods`).
         """
-        periods = smoothed_periods(self.measured_steps, step, dense, other, self.smoothing)
-        self.measured_steps = {} if link_changed else periods
+        self.measured_steps = {} if link_changed else smoothed_periods(self.measured_steps, step, dense, other,
+                                                                        self.smoothing)
 
     @property
     def guard_exchange(self) -> str:

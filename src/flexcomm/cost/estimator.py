@@ -100,8 +100,8 @@ PERPENDICULAR_RIDGE = 1e-2
 #: Beta ratios (measured over fitted bandwidth time) all over this factor show a link that slowed down
 #: (the guard's ``JUMP``): 1 Gbit/s <-> 100 Mbit/s is 10x, timing noise on a busy CPU under 2x.
 SHIFT = 3.0
-#: A shift is called on this many of a kind's newest bandwidth-bound samples in a batch, each beyond
-#: ``SHIFT`` the same way: one slow sample is noise.  Two, because an interval often holds only a few
+#: A shift is called on this many of a kind's newest bandwidth-bound samples in a batch, each over
+#: ``SHIFT``: one slow sample is noise.  Two, because an interval often holds only a few
 #: steps after the change, and a plan that mixes exchanges gives a kind one sample per step (MLP
 #: group, seed 5: two slow steps before the agreement; the plan then ran fp32 dense on one bucket,
 #: whose pair followed the old fit, at 100 ms per step against 20 ms for the low-rank plan after).
@@ -337,8 +337,7 @@ class CostEstimator:
                 ratios.setdefault(obs.kind, []).append(ratio)
         # The newest samples: a batch can span the change (the plan may also leave a kind right after it).
         newest = {kind: r[-SHIFT_MIN_SAMPLES:] for kind, r in ratios.items() if len(r) >= SHIFT_MIN_SAMPLES}
-        evidence = {kind: statistics.median(r) for kind, r in newest.items()}
-        shifted = {kind: evidence[kind] for kind, r in newest.items() if min(r) > SHIFT}
+        shifted = {kind: statistics.median(r) for kind, r in newest.items() if min(r) > SHIFT}
         if not shifted:
             return {}
         # The kinds without evidence follow the most sampled shifted kind's new beta, keeping their ratio
@@ -348,7 +347,7 @@ class CostEstimator:
         factors = dict(shifted)
         for kind in KINDS:
             beta = self.estimators[kind].params.beta
-            if kind not in evidence and beta > 0.0 and ref_beta > 0.0:
+            if kind not in newest and beta > 0.0 and ref_beta > 0.0:
                 relative = min(KIND_SPREAD, max(1.0 / KIND_SPREAD, beta / ref_beta))
                 factors[kind] = ref_beta * shifted[ref] * relative / beta
         return factors

@@ -83,6 +83,24 @@ def test_measurements_calibrate_the_model() -> None:
     assert model.predicted(0, "dense", 0.01, 2) == pytest.approx(3 * modelled, rel=0.05)
 
 
+def test_predictions_follow_every_change_of_their_inputs() -> None:
+    # The chooser keeps a bucket's costs until an input changes: a new size, a low-rank payload,
+    # another chooser's state loaded must each be seen by the next prediction.
+    model = chooser_at(1e8, [0], numel=1_000_000)
+    small = model.predicted(0, "dense", 1.0, 2)
+    assert model.predicted(0, "lowrank", 1.0, 2) == math.inf
+    model.note_sizes(0, 4_000_000, 4, (1000, 1000))
+    assert model.predicted(0, "dense", 1.0, 2) > 3 * small
+    assert math.isfinite(model.predicted(0, "lowrank", 1.0, 2))
+    other = chooser_at(1e8, [0], numel=1_000_000)
+    other.observe(0, [StepSample(0, "dense", 1.0, 0.0, 5 * small, 0.0)], 2)
+    model.load_state_dict(other.state_dict())
+    assert model.predicted(0, "dense", 1.0, 2) == pytest.approx(other.predicted(0, "dense", 1.0, 2)) == pytest.approx(5 * small)
+    model.forget({0})
+    model.note_sizes(0, 1_000_000, 4, None)
+    assert model.predicted(0, "dense", 1.0, 2) == pytest.approx(small)
+
+
 def test_a_refit_keeps_the_calibrated_prediction_of_measured_pairs() -> None:
     # Dense measured 0.22 s; then the estimator's fit moves (samples of other sizes and
     # exchanges): the prediction of that measured pair must stay 0.22 s, while the

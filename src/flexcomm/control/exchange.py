@@ -117,6 +117,9 @@ class ExchangeChooser:
         self._factor: dict[tuple[int, str], float] = {}
         # cos(update, mean gradient) of low-rank pairs (EWMA): their steps factor.
         self._quality: dict[tuple[int, str], float] = {}
+        # costs() per (bucket, density, world) until an input changes: every bucket of every step asks
+        # for its own twice, and a step's plan for all of them, while the inputs change at agreement points.
+        self._costs: dict[tuple[int, float, int], BucketCosts] = {}
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
@@ -137,12 +140,14 @@ class ExchangeChooser:
         measurements made it; the others follow the model.
         """
         params = self.estimator.params
+        self._costs.clear()
         self._calibration.rebase(lambda b, e, d, w, p: self._modelled(b, d, w, p)[e], self.params, params, set(self.sizes))
         self.params = params
 
     # -- measurements ---------------------------------------------------------------------
     def observe(self, step: int, samples: Sequence[StepSample], world: int) -> None:
         """Fold one step's agreed samples in (same order on every rank)."""
+        self._costs.clear()
         for s in samples:
             key = (s.bucket, s.exchange)
             model = self._modelled(s.bucket, s.density, world, self.params)[s.exchange]
@@ -173,6 +178,13 @@ class ExchangeChooser:
 
     def costs(self, bucket: int, density: float, world: int) -> BucketCosts:
         """Predicted blocking and comm seconds of every exchange of ``bucket`` at ``density``."""
+        key = (bucket, density, world)
+        cached = self._costs.get(key)
+        if cached is None:
+            cached = self._costs[key] = self._costs_now(bucket, density, world)
+        return cached
+
+    def _costs_now(self, bucket: int, density: float, world: int) -> BucketCosts:
         numel, vb = self.sizes[bucket]
         modelled = self._modelled(bucket, density, world, self.params)
         comm = {e: self._calibration.of(bucket, e) * modelled[e] if self._usable(bucket, e, vb, density) else math.inf
@@ -312,6 +324,9 @@ class ExchangeChooser:
         step): what was measured under the index is dropped."""
         if self.sizes.get(bucket, (numel, value_bytes)) != (numel, value_bytes):
             self.forget({bucket})
+        if self.sizes.get(bucket) == (numel, value_bytes) and self.factor_sizes.get(bucket) == factor_size:
+            return
+        self._costs.clear()
         self.sizes[bucket] = (numel, value_bytes)
         if factor_size is None:
             self.factor_sizes.pop(bucket, None)
@@ -320,6 +335,7 @@ class ExchangeChooser:
 
     def forget(self, buckets: set[int]) -> None:
         """Drop all that was measured and planned for ``buckets`` (gone, or other buckets under their indices)."""
+        self._costs.clear()
         for table in (self.sizes, self.factor_sizes, self.plan, self._gap, self._simulated_plan, self._wanted):
             for bucket in buckets & set(table):
                 del table[bucket]
@@ -390,6 +406,7 @@ class ExchangeChooser:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; keys absent from older checkpoints load empty or at their defaults."""
+        self._costs.clear()
         self.estimator.load_state_dict(state["estimator"])
         self.params = self.estimator.params  # the parameters the saved calibrations are relative to
         self.sizes = {int(b): (int(n), int(v)) for b, (n, v) in state["sizes"].items()}

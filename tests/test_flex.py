@@ -65,10 +65,11 @@ def test_slow_link_plan_is_sparse() -> None:
     assert best_plan(costs, ["dense"] * 4, hysteresis=0.05) == ["artopk"] * 4
 
 
-def chooser_at(rate_bps: float, order: list[int], numel: int = 1_000_000, alpha: float = 1e-4) -> ExchangeChooser:
+def chooser_at(rate_bps: float, order: list[int], numel: int = 1_000_000, alpha: float = 1e-4,
+               dense16: bool = True) -> ExchangeChooser:
     """A chooser whose model believes a link of ``rate_bps``, knowing buckets ``order`` of ``numel`` floats."""
     prior = CostParams.uniform(LinkParams.from_bandwidth(alpha, rate_bps))
-    chooser = ExchangeChooser(CostEstimator(prior=prior), explore_every=10)
+    chooser = ExchangeChooser(CostEstimator(prior=prior), explore_every=10, dense16=dense16)
     chooser.sizes = {b: (numel, 4) for b in order}
     return chooser
 
@@ -144,8 +145,7 @@ def test_after_a_link_change_the_exchanges_not_in_use_follow_the_model() -> None
 def _stale_dense_then_optimistic_refit() -> ExchangeChooser:
     """Dense measured 0.3 s at step 0, AG-Topk 0.08 s, then AR-Topk 0.05 s for two intervals; then the allreduce fit
     turns optimistic (fast small messages, as when one size dominates the samples): dense rated ~20x faster."""
-    model = chooser_at(1e8, [0])
-    model.dense16 = False
+    model = chooser_at(1e8, [0], dense16=False)
     model.observe(0, [StepSample(0, "dense", 0.01, 0.0, 0.3, 0.0)], 2)
     model.observe(1, [StepSample(0, "agtopk", 0.01, 0.0, 0.08, 0.0)], 2)
     model.refresh()
@@ -253,7 +253,7 @@ def test_a_new_density_resets_the_exploration_back_off() -> None:
 
 def test_unmeasured_bucket_borrows_the_selection_rate_of_measured_ones() -> None:
     model = chooser_at(1e9, [0, 1])
-    model.sizes[1] = (2_000_000, 4)
+    model.note_sizes(1, 2_000_000, 4, None)
     model.observe(0, [StepSample(0, "agtopk", 0.01, 0.01, 0.001, 0.0)], 2)
     assert model.costs(1, 0.01, 2).block["artopk"] == pytest.approx(0.02)
 
@@ -292,8 +292,7 @@ def test_guard_goes_all_dense_when_dense_steps_measure_faster(dense16: bool, arm
     # faster than the plan's: the plan becomes all-dense (dense16 where flex may send it, as
     # PyTorch's fp16 hook does); the guard's trials (3 steps every guard_every steps) then run
     # the simulated plan, so the comparison stays fresh.
-    model = chooser_at(1e8, [0, 1])
-    model.dense16 = dense16
+    model = chooser_at(1e8, [0, 1], dense16=dense16)
     model.guard_every = 10
     model.replan(0.01, 2)
     simulated = dict(model.plan)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import flexcomm
 
 from flexcomm.comm import allreduce_floats, probe_collectives
-from flexcomm.control import step_log
+from flexcomm.control import guard, step_log
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.step_model import BucketCosts, best_plan, simulate_step
 from flexcomm.cost import KINDS, CostEstimator, CostParams, LinkParams, Observation, predict_exchange_times, probe_size
@@ -284,6 +284,50 @@ def test_replan_and_state_round_trip_are_deterministic() -> None:
     restored.load_state_dict(first.state_dict())
     assert restored.state_dict() == first.state_dict()
     assert restored.step_seconds(0.01, 2, None) == first.step_seconds(0.01, 2, None)
+
+
+def test_a_plan_measured_slower_gives_way_to_one_measured_faster() -> None:
+    # The model proposes a sparse plan P and rates all-dense Q ~10x slower (100 Mbit/s in its eyes);
+    # P's steps measured 50 ms where Q's measured 30 ms at the same density: Q runs.  A resumed
+    # chooser decides alike; a link change forgets what was measured.
+    model = chooser_at(1e8, [0, 1])
+    model.replan(0.01, 2)
+    proposed = dict(model.plan)
+    other = dict.fromkeys(proposed, "dense")
+    costs = model.step_costs(0.01, 2)
+    assert set(proposed.values()) <= {"agtopk", "artopk"}
+    assert simulate_step(costs, list(other.values())) > 5 * simulate_step(costs, list(proposed.values()))
+    model.plan = dict(other)
+    model.observe_steps(10, None, 0.03)
+    model.plan = dict(proposed)
+    model.observe_steps(20, None, 0.05)
+    copy = chooser_at(1e8, [0, 1])
+    copy.load_state_dict(model.state_dict())
+    model.replan(0.01, 2)
+    copy.replan(0.01, 2)
+    assert model.plan == copy.plan == other
+    model.observe_steps(30, None, 0.031, link_changed=True)
+    assert model.measured_plans == {}
+
+
+def test_plan_periods_average_jump_and_expire() -> None:
+    periods = guard.remember_plan({}, 10, 0.01, ("agtopk",), 0.030, smoothing=0.5)
+    periods = guard.remember_plan(periods, 20, 0.01, ("agtopk",), 0.034, smoothing=0.5)
+    assert periods[(0.01, ("agtopk",))] == (pytest.approx(0.032), 20)
+    periods = guard.remember_plan(periods, 30, 0.01, ("agtopk",), 0.2, smoothing=0.5)  # a jump: replaced
+    assert periods[(0.01, ("agtopk",))] == (0.2, 30)
+    periods = guard.remember_plan(periods, 30 + guard.PLAN_MEMORY + 1, 1.0, ("dense16",), 0.02, smoothing=0.5)
+    assert list(periods) == [(1.0, ("dense16",))]
+    both = {(1.0, ("dense16",)): (0.020, 0), (1.0, ("lowrank",)): (0.017, 0)}
+    # Measured faster in seconds, but its steps factor makes it slower to accuracy: the proposal stays.
+    assert guard.measured_choice(both, 0, 1.0, ("dense16",), lambda p: 1.25 if p == ("lowrank",) else 1.0, 0.05) \
+        == ("dense16",)
+    assert guard.measured_choice(both, 0, 1.0, ("dense16",), lambda p: 1.0, 0.05) == ("lowrank",)
+    assert guard.measured_choice(both, 0, 1.0, ("dense16",), lambda p: math.inf if p == ("lowrank",) else 1.0,
+                                 0.05) == ("dense16",)  # no longer usable
+    assert guard.measured_choice(both, 0, 1.0, ("agtopk",), lambda p: 1.0, 0.05) == ("agtopk",)  # unmeasured
+    stale = guard.PLAN_MEMORY + 1
+    assert guard.measured_choice(both, stale, 1.0, ("dense16",), lambda p: 1.0, 0.05) == ("dense16",)  # too old
 
 
 @pytest.mark.parametrize("dense16, arm", [(True, "dense16"), (False, "dense")])

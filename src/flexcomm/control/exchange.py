@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexcomm.control.exploration import at_least_measured, backed_off, exploration
-from flexcomm.control.guard import arm_exchange, guard_trial, smoothed_periods
+from flexcomm.control.guard import (PlanPeriods, arm_exchange, guard_trial, measured_choice, remember_plan,
+                                   smoothed_periods)
 from flexcomm.control.measurements import StepSample
 from flexcomm.control.pair_costs import PairCosts
 from flexcomm.control.step_model import EXCHANGE_ORDER, BucketCosts, best_plan, plan_factor, simulate_step
@@ -85,6 +86,9 @@ class ExchangeChooser:
         self.plan_density: float | None = None
         # The guard: measured whole-step periods of all-dense steps (its arm) and of the others, (seconds, step).
         self.measured_steps: dict[str, tuple[float, int]] = {}
+        #: The agreed step periods of every plan that ran, per (density, plan) (see :mod:`flexcomm.control.guard`).
+        self.measured_plans: PlanPeriods = {}
+        self._last_agreed = 0
         self._simulated_plan: dict[int, str] = {}
         # bucket -> the exchange a replan wanted but must try first (see TRUST_DRIFT).
         self._wanted: dict[int, str] = {}
@@ -153,9 +157,10 @@ class ExchangeChooser:
     def replan(self, density: float, world: int) -> None:
         """Re-decide the plan of every known bucket (at an agreement point).
 
-        The guard: the simulation leaves out that collectives and compute share the CPU, so
-        when whole all-dense steps (plain DDP's behaviour) measured faster than the plan's
-        steps times the plan's steps factor, the plan is all-dense, whatever the simulation says.
+        The simulation leaves out that collectives and compute share the CPU, so measured whole
+        steps overrule it (:mod:`flexcomm.control.guard`): a plan measured faster than the model's
+        proposal at this density, times each one's steps factor, runs instead of it; and when
+        all-dense steps (plain DDP's behaviour) measured faster than the plan's, the plan is all-dense.
         """
         if not self.order:
             return
@@ -166,7 +171,11 @@ class ExchangeChooser:
         proposed = best_plan(costs, current, self.hysteresis)
         self._wanted = {b: new for b, old, new in zip(self.order, current, proposed)
                         if new != old and self._drifted_faster(b, new, world)}
-        self._simulated_plan = {b: old if b in self._wanted else new for b, old, new in zip(self.order, current, proposed)}
+        simulated = tuple(old if b in self._wanted else new for b, old, new in zip(self.order, current, proposed))
+        chosen = measured_choice(self.measured_plans, self._last_agreed, density, simulated,
+                                 lambda plan: plan_factor(costs, plan) if math.isfinite(simulate_step(costs, plan))
+                                 else math.inf, self.hysteresis)
+        self._simulated_plan = dict(zip(self.order, chosen))
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
         if dense and other and (dense[0] < other[0] * plan_factor(costs, [self.plan[b] for b in self.order])
@@ -196,6 +205,21 @@ class ExchangeChooser:
         """
         self.measured_steps = {} if link_changed else smoothed_periods(self.measured_steps, step, dense, other,
                                                                         self.smoothing)
+        self._last_agreed = step
+        ran = self._plan_that_ran()
+        if link_changed:
+            self.measured_plans = {}
+        elif other is not None and ran and self.plan_density is not None:
+            self.measured_plans = remember_plan(self.measured_plans, step, self.plan_density, ran, other, self.smoothing)
+
+    def _plan_that_ran(self) -> tuple[str, ...]:
+        """The plan of the steps that were not all-dense since the last replan: the plan in force, or the
+        simulated plan the guard's trials ran while the plan in force was all-dense (() if unknown)."""
+        plan = self.plan_in_force()
+        if plan and set(plan) == {self.guard_exchange}:
+            simulated = tuple(self._simulated_plan.get(b, "") for b in self.order)
+            return simulated if all(simulated) and simulated != plan else ()
+        return plan
 
     @property
     def guard_exchange(self) -> str:
@@ -251,6 +275,7 @@ class ExchangeChooser:
     def forget(self, buckets: set[int]) -> None:
         """Drop all that was measured and planned for ``buckets`` (gone, or other buckets under their indices)."""
         self.table.forget(buckets)
+        self.measured_plans = {}  # keyed by plans over the old buckets
         for table in (self.plan, self._simulated_plan, self._wanted):
             for bucket in buckets & set(table):
                 del table[bucket]
@@ -309,6 +334,8 @@ class ExchangeChooser:
     def state_dict(self) -> dict[str, Any]:
         return {**self.table.state_dict(), "plan": dict(self.plan), "plan_density": self.plan_density,
                 "measured_steps": dict(self.measured_steps), "simulated_plan": dict(self._simulated_plan),
+                "measured_plans": [[d, list(plan), t, at] for (d, plan), (t, at) in sorted(self.measured_plans.items())],
+                "last_agreed": self._last_agreed,
                 "wanted": dict(self._wanted), "explore_scale": self._explore_scale,
                 "explored": None if self._explored is None else list(self._explored),
                 "exploration_seen": self._exploration_seen}
@@ -319,6 +346,9 @@ class ExchangeChooser:
         self.plan = {int(b): str(e) for b, e in state["plan"].items()}
         self.plan_density = state["plan_density"]
         self.measured_steps = {k: (float(t), int(at)) for k, (t, at) in state["measured_steps"].items()}
+        self.measured_plans = {(float(d), tuple(str(e) for e in plan)): (float(t), int(at))
+                               for d, plan, t, at in state.get("measured_plans", [])}
+        self._last_agreed = int(state.get("last_agreed", 0))
         self._simulated_plan = {int(b): str(e) for b, e in state["simulated_plan"].items()}
         self._wanted = {int(b): str(e) for b, e in state.get("wanted", {}).items()}
         self._explore_scale = int(state.get("explore_scale", 1))

@@ -301,6 +301,7 @@ def test_a_plan_measured_slower_gives_way_to_one_measured_faster() -> None:
     model.observe_steps(10, None, 0.03)
     model.plan = dict(proposed)
     model.observe_steps(20, None, 0.05)
+    model.forget(set())  # the planner's every step: no bucket gone, nothing forgotten
     copy = chooser_at(1e8, [0, 1])
     copy.load_state_dict(model.state_dict())
     model.replan(0.01, 2)

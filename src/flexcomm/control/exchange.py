@@ -274,6 +274,8 @@ class ExchangeChooser:
 
     def forget(self, buckets: set[int]) -> None:
         """Drop all that was measured and planned for ``buckets`` (gone, or other buckets under their indices)."""
+        if not buckets:
+            return
         self.table.forget(buckets)
         self.measured_plans = {}  # keyed by plans over the old buckets
         for table in (self.plan, self._simulated_plan, self._wanted):

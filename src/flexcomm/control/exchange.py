@@ -22,7 +22,9 @@ Explorations (:mod:`flexcomm.control.exploration`: every ``explore_every`` steps
 to 4x while they confirm the plan, one bucket tries an alternative rated within
 ``explore_margin``) and the guard's trials (:mod:`flexcomm.control.guard`: all-dense steps
 measured faster than the plan's make the plan all-dense, dense16 where allowed) rate a pair at
-no less than it last measured (:func:`~flexcomm.control.exploration.at_least_measured`).
+no less than it last measured (:func:`~flexcomm.control.exploration.at_least_measured`).  Whole
+steps are measured for every plan that runs, and a plan measured faster than the model's proposal
+(each times its steps factor) runs instead of it (:func:`~flexcomm.control.guard.measured_choice`).
 
 Everything is plain Python on agreed inputs in a fixed order: every rank plans alike.
 """

@@ -78,7 +78,6 @@ class ExchangeChooser:
                  lowrank: bool = True) -> None:
         #: The measured and modelled costs of every (bucket, exchange) pair.
         self.table = PairCosts(estimator or CostEstimator(), smoothing, dense16, lowrank)
-        self.smoothing = smoothing
         self.hysteresis = hysteresis
         self.explore_every = explore_every
         self.explore_margin = explore_margin
@@ -109,6 +108,10 @@ class ExchangeChooser:
     @property
     def estimator(self) -> CostEstimator:
         return self.table.estimator
+
+    @property
+    def smoothing(self) -> float:
+        return self.table.smoothing
 
     @property
     def dense16(self) -> bool:

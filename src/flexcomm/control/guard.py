@@ -61,6 +61,11 @@ def jumped(old: float, value: float) -> bool:
     return not old / JUMP <= value <= old * JUMP
 
 
+def _folded(old: tuple[float, int] | None, seconds: float, step: int, smoothing: float) -> tuple[float, int]:
+    """``(seconds, step)``, or with ``old`` an EWMA of its seconds (``smoothing``: the old value's weight)."""
+    return (seconds, step) if old is None else (smoothing * old[0] + (1.0 - smoothing) * seconds, step)
+
+
 def smoothed_periods(periods: Mapping[str, tuple[float, int]], step: int, dense: float | None, other: float | None,
                      smoothing: float) -> dict[str, tuple[float, int]]:
     """``periods`` ("dense" / "other" -> (seconds, step)) after the new agreed medians (None: none ran).
@@ -79,8 +84,7 @@ def smoothed_periods(periods: Mapping[str, tuple[float, int]], step: int, dense:
         return {}
     result = dict(periods)
     for kind, seconds in new.items():
-        old = result.get(kind)
-        result[kind] = (seconds, step) if old is None else (smoothing * old[0] + (1.0 - smoothing) * seconds, step)
+        result[kind] = _folded(result.get(kind), seconds, step, smoothing)
     return result
 
 
@@ -90,8 +94,7 @@ def remember_plan(periods: PlanPeriods, step: int, density: float, plan: tuple[s
     (``smoothing``: the old value's weight), replaced where it jumped; entries older than ``PLAN_MEMORY`` dropped."""
     result = {key: value for key, value in periods.items() if step - value[1] <= PLAN_MEMORY}
     old = result.get((density, plan))
-    fresh = old is None or jumped(old[0], seconds)
-    result[(density, plan)] = (seconds, step) if fresh else (smoothing * old[0] + (1.0 - smoothing) * seconds, step)
+    result[(density, plan)] = _folded(None if old is None or jumped(old[0], seconds) else old, seconds, step, smoothing)
     return result
 
 

@@ -24,7 +24,6 @@ Plain Python on agreed inputs in a fixed order: every rank holds the same tables
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from flexcomm.control.calibration import Calibration

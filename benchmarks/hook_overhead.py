@@ -1,6 +1,6 @@
 """What the hook itself costs: dense through flexcomm vs plain DDP, and the library's heap over a long run.
 
-    python benchmarks/hook_overhead.py [--rounds 40] [--heap-steps 1500] [--net 1gbit --layers 2 --width 580]
+    python benchmarks/hook_overhead.py [--rounds 4 --block 10] [--heap-steps 1500] [--net 1gbit --layers 2 --width 580]
 
 Part 1, side by side in one job (2 gloo ranks on loopback or, with ``--net``, on two emulated
 hosts; by default the 25M-parameter 4-bucket MLP of ``flex_step.py``, batch 32): one training step with
@@ -18,7 +18,12 @@ hosts; by default the 25M-parameter 4-bucket MLP of ``flex_step.py``, batch 32):
 The flex methods run ``--flex-settle`` untimed steps first; the table says which exchanges their
 timed steps ran (rank 0's records).
 
-Rounds rotate the order; a step's time is the max over ranks, a method's the median.
+Each round runs ``--block`` consecutive steps of every method, in an order rotated from round to
+round; a step's time is the max over ranks, a method's the median of its ``rounds x block`` steps.
+Blocks, not single steps: flex measures the period from one of its steps to its next and plans
+on it, and a period that spans the other methods' steps measures them (with one step per round,
+flex's plan at density 1.0 churned between dense and dense16 on loopback, 84 of 160 buckets
+dense16 where the fp16 hook is 1.18x plain DDP).
 
 Part 2 (``--heap-steps 0`` skips it): ``--heap-steps`` steps of a small 6-bucket MLP with ``flex`` + ``density="auto"``
 (``flex_interval`` 10), records drained every step as the training app does; Python's
@@ -85,10 +90,11 @@ def step_times(cfg: dict[str, Any]) -> tuple[dict[str, list[float]], dict[str, d
     for rnd in range(cfg["rounds"]):
         for method in METHODS[rnd % len(METHODS):] + METHODS[: rnd % len(METHODS)]:
             model, opt, _ = built[method]
-            local[method].append(timed_step(model, opt, x))
-            progress()
+            for _ in range(cfg["block"]):
+                local[method].append(timed_step(model, opt, x))
+                progress()
     flat = max_over_ranks([t for m in METHODS for t in local[m]])
-    per = cfg["rounds"]
+    per = cfg["rounds"] * cfg["block"]
     ran = {m: dict(Counter(r.exchange for r in built[m][2].drain_records())) for m in FLEX}
     return {m: flat[i * per:(i + 1) * per] for i, m in enumerate(METHODS)}, ran
 
@@ -159,7 +165,8 @@ def plot(rows: Sequence[dict[str, Any]], steps: dict[str, list[float]], title: s
 
 def main() -> int:
     ap = argument_parser(__doc__)
-    ap.add_argument("--rounds", type=int, default=40, help="timed steps per method")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of every method")
+    ap.add_argument("--block", type=int, default=10, help="consecutive timed steps of a method per round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--flex-settle", type=int, default=40)
     ap.add_argument("--heap-steps", type=int, default=1500)
@@ -168,9 +175,9 @@ def main() -> int:
     ap.add_argument("--net", default=None, help="rate of an emulated link between the 2 hosts, e.g. 1gbit "
                                                 "(default: loopback; needs root)")
     args = ap.parse_args()
-    cfg = {k: getattr(args, k) for k in ("rounds", "warmup", "flex_settle", "heap_steps", "layers", "width")}
-    total = (args.warmup * (len(METHODS) - len(FLEX)) + args.flex_settle * len(FLEX) + args.rounds * len(METHODS)
-             + args.heap_steps)
+    cfg = {k: getattr(args, k) for k in ("rounds", "block", "warmup", "flex_settle", "heap_steps", "layers", "width")}
+    total = (args.warmup * (len(METHODS) - len(FLEX)) + args.flex_settle * len(FLEX)
+             + args.rounds * args.block * len(METHODS) + args.heap_steps)
     with network(args.net, 2, "hookov") as cluster:
         result = run_job(__file__, cluster, 2, cfg, total=total, desc="hook overhead", timeout=1800)
     rows = method_rows(result["steps"], result["ran"])

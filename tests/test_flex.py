@@ -352,6 +352,61 @@ def test_guard_goes_all_dense_when_dense_steps_measure_faster(dense16: bool, arm
     assert model.plan == simulated
 
 
+def _guard_trials(model: ExchangeChooser, steps: range, restore_at: int | None = None) -> list[int]:
+    """Steps in ``steps`` where bucket 0 ran a guard trial; at every agreement point (step % 10 == 0) the all-dense
+    arm's steps measured 0.5 s and, where a trial ran in the interval, the plan's 0.8 s."""
+    trials: list[int] = []
+    for step in steps:
+        if step == restore_at:
+            restored = chooser_at(1e8, [0, 1])
+            restored.load_state_dict(model.state_dict())
+            restored.guard_every, restored.explore_every = model.guard_every, model.explore_every
+            model = restored
+        if step % 10 == 0 and step > steps.start:
+            model.observe_steps(step, dense=0.5, other=0.8 if any(t >= step - 10 for t in trials) else None)
+            model.replan(0.01, 2)
+        if model.choose(0, step, 0.01, 2) != model.plan[0]:
+            trials.append(step)
+    return trials
+
+
+@pytest.mark.parametrize("restore_at", [None, 25, 45])
+def test_guard_trials_back_off_while_they_confirm_the_side_that_runs(restore_at: int | None) -> None:
+    # On loopback flex at density 1.0 ran 3 all-dense16 trial steps every 25 the whole run long, each
+    # confirming the fp32 plan.  Each agreement point after a trial's period came in and left the same
+    # side running doubles the interval, up to 4x; a resumed run tries on the same steps.
+    model = chooser_at(1e8, [0, 1])
+    model.guard_every, model.explore_every = 10, 0
+    model.replan(0.01, 2)
+    model.observe_steps(10, dense=0.5, other=0.8)
+    model.replan(0.01, 2)
+    assert model.plan == {0: "dense16", 1: "dense16"}
+    assert _guard_trials(model, range(10, 200), restore_at) == [10, 11, 12, 20, 21, 22, 40, 41, 42, 80, 81, 82,
+                                                                 120, 121, 122, 160, 161, 162]
+
+
+def test_guard_trials_resume_their_full_rate_when_the_side_or_the_link_changes() -> None:
+    model = chooser_at(1e8, [0, 1])
+    model.guard_every, model.explore_every = 10, 0
+    model.replan(0.01, 2)
+    simulated = dict(model.plan)
+    model.observe_steps(10, dense=0.5, other=0.8)
+    model.replan(0.01, 2)
+    _guard_trials(model, range(10, 60))
+    assert model.state_dict()["guard_scale"] == 4
+    for step in (60, 70, 80):  # the plan's trials now measure 0.3 s: it overtakes the arm's 0.5 s
+        model.observe_steps(step, dense=None, other=0.3)
+        model.replan(0.01, 2)
+    assert model.plan == simulated
+    assert model.state_dict()["guard_scale"] == 1
+    model.observe_steps(90, dense=0.5, other=0.3)
+    model.replan(0.01, 2)
+    assert model.state_dict()["guard_scale"] == 2
+    model.observe_steps(100, dense=5.0, other=3.0)  # a drop: both periods jumped
+    model.replan(0.01, 2)
+    assert model.state_dict()["guard_scale"] == 1
+
+
 def test_a_mixed_dense_plan_gives_way_to_all_dense16_steps_that_measured_faster() -> None:
     # MLP group, seed 3, at 809c9e4: at density 1.0 one bucket stayed on fp32 dense (the simulation
     # let its allreduce hide behind backward) and the steps took 20 ms against 16 ms all-dense16,

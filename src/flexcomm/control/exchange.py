@@ -21,7 +21,8 @@ dense at 100 Mbit at 2 ms, and whole intervals of dense ran at 10-20x the sparse
 Explorations (:mod:`flexcomm.control.exploration`: every ``explore_every`` steps, backed off up
 to 4x while they confirm the plan, one bucket tries an alternative rated within
 ``explore_margin``) and the guard's trials (:mod:`flexcomm.control.guard`: all-dense steps
-measured faster than the plan's make the plan all-dense, dense16 where allowed) rate a pair at
+measured faster than the plan's make the plan all-dense, dense16 where allowed; its trials back
+off the same way while they confirm the side that runs) rate a pair at
 no less than it last measured (:func:`~flexcomm.control.exploration.at_least_measured`).  Whole
 steps are measured for every plan that runs, and a plan measured faster than the model's proposal
 (each times its steps factor) runs instead of it (:func:`~flexcomm.control.guard.measured_choice`).
@@ -98,6 +99,9 @@ class ExchangeChooser:
         self._explored: tuple[int, int] | None = None
         self._exploration_seen = False
         self._explore_scale = 1
+        # The same back-off for the guard's trials: whether a trial's period came in since the last replan.
+        self._guard_seen = False
+        self._guard_scale = 1
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
@@ -190,6 +194,13 @@ class ExchangeChooser:
         changed = self.plan != before or density != density_before
         self._explore_scale = backed_off(self._explore_scale, changed, bool(self._wanted), self._exploration_seen)
         self._exploration_seen = False
+        # The guard's trials back off while they confirm which side of the guard runs.
+        guard_changed = self._is_guard_plan(before) != self._is_guard_plan(self.plan) or density != density_before
+        self._guard_scale = backed_off(self._guard_scale, guard_changed, False, self._guard_seen)
+        self._guard_seen = False
+
+    def _is_guard_plan(self, plan: dict[int, str]) -> bool:
+        return bool(plan) and set(plan.values()) == {self.guard_exchange}
 
     def _drifted_faster(self, bucket: int, exchange: str, world: int) -> bool:
         """Whether the model rates a pair not measured in the last interval ``TRUST_DRIFT`` times below its last measurement."""
@@ -211,6 +222,11 @@ class ExchangeChooser:
         self.measured_steps = {} if link_changed else smoothed_periods(self.measured_steps, step, dense, other,
                                                                         self.smoothing)
         self._last_agreed = step
+        trial = other if self._is_guard_plan(self.plan) else dense
+        if not self.measured_steps:  # a new link (or a jump): the guard compares afresh, at its full rate
+            self._guard_scale, self._guard_seen = 1, False
+        elif trial is not None:
+            self._guard_seen = True
         ran = self._plan_that_ran()
         if link_changed:
             self.measured_plans = {}
@@ -250,7 +266,7 @@ class ExchangeChooser:
         """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
         if bucket not in self.plan:
             return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
-        trial = guard_trial(step, self.guard_every, self.plan, self._simulated_plan, self._guard_plan(),
+        trial = guard_trial(step, self.guard_every * self._guard_scale, self.plan, self._simulated_plan, self._guard_plan(),
                             lambda: self._trial_costs(density, world))
         if trial is not None:
             return trial[bucket]
@@ -345,7 +361,8 @@ class ExchangeChooser:
                 "last_agreed": self._last_agreed,
                 "wanted": dict(self._wanted), "explore_scale": self._explore_scale,
                 "explored": None if self._explored is None else list(self._explored),
-                "exploration_seen": self._exploration_seen}
+                "exploration_seen": self._exploration_seen, "guard_scale": self._guard_scale,
+                "guard_seen": self._guard_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; keys absent from older checkpoints load empty or at their defaults."""
@@ -362,3 +379,5 @@ class ExchangeChooser:
         explored = state.get("explored")
         self._explored = None if explored is None else (int(explored[0]), int(explored[1]))
         self._exploration_seen = bool(state.get("exploration_seen", False))
+        self._guard_scale = int(state.get("guard_scale", 1))
+        self._guard_seen = bool(state.get("guard_seen", False))

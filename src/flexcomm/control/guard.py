@@ -7,7 +7,13 @@ all-dense steps (plain DDP's behaviour, or the fp16 hook's where ``flex`` may se
 :attr:`~flexcomm.control.ExchangeChooser.guard_exchange`) and the others; when all-dense steps
 measured faster, the plan is all-dense.  Every ``guard_every`` steps ``GUARD_TRIAL_STEPS`` steps run the plan
 the guard is not using (all-dense only while the model rates it within ``GUARD_MARGIN`` of the
-plan), so both stay measured.
+plan), so both stay measured.  The interval backs off as explorations do
+(:func:`~flexcomm.control.exploration.backed_off`, up to 4x): doubled at each agreement point
+after a trial's period came in and the same side kept running, back to ``guard_every`` when the
+side changes, the density changes or a period jumped (a new link).  On loopback, flex at
+density 1.0 ran 3 all-dense16 steps every 25 (the fp16 casts cost more than the bytes they
+save there: PyTorch's fp16 hook measured 1.13-1.18x plain DDP) the whole run long, each
+trial confirming the fp32 plan.
 
 The all-dense steps are dense16 on every bucket where ``flex`` may send dense16 on every
 bucket (what PyTorch's fp16 hook sends), else fp32 dense (:func:`arm_exchange`).  With fp32

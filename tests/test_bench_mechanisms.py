@@ -13,11 +13,12 @@ from runs import Run, Spec  # noqa: E402
 
 
 def _run(step_ms: list[float], decisions: list[tuple[int, float, float]] | None = None,
-         change_at_s: float | None = None, density: list[float] | None = None) -> Run:
-    """A run whose steps take ``step_ms``; ``decisions``: (step, chosen density, its predicted ms)."""
+         change_at_s: float | None = None, density: list[float] | None = None, loading_ms: float = 0.0) -> Run:
+    """A run whose steps take ``step_ms`` after ``loading_ms`` of data loading each; ``decisions``: (step, chosen
+    density, its predicted ms)."""
     records, wall = [], 0.0
     for step, ms in enumerate(step_ms):
-        wall += ms / 1e3
+        wall += (ms + loading_ms) / 1e3
         records.append({"step": step, "t_step": ms / 1e3, "train_wall": wall, "wall": wall,
                         "density": density[step] if density else 1.0})
     changes = [{"time_s": 0.0, "rate_bps": 1e9}] + ([{"time_s": change_at_s, "rate_bps": 1e8}] if change_at_s else [])
@@ -55,3 +56,9 @@ def test_prediction_errors_compare_each_choice_with_the_median_step_until_the_ne
     errors = mechanisms.prediction_errors(run)
     assert errors[1.0] == [pytest.approx(0.2)]
     assert errors[0.1] == [pytest.approx(-0.5)]
+
+
+def test_prediction_errors_compare_with_the_period_the_controller_predicts_not_t_step() -> None:
+    # The controller predicts a step's whole period, data loading included (t_step leaves it out).
+    run = _run([10.0] * 20, [(1, 1.0, 12.0)], loading_ms=2.0)
+    assert mechanisms.prediction_errors(run)[1.0] == [pytest.approx(0.0, abs=1e-9)]

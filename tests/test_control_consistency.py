@@ -12,7 +12,8 @@ import torch
 from fake_link import FakeLink, agreement_points, make_planner, spy_updates
 from flexcomm.control import DensityController, StepPlanner
 from flexcomm.control.periods import StepPeriods
-from flexcomm.cost import LinkParams, Observation
+from flexcomm.cost import CostParams, LinkParams, Observation
+from flexcomm.cost.model import predicted_probe
 from multiproc import raised, run_world
 from test_hook_distributed import exchange, gradient, hooked_model
 
@@ -334,3 +335,23 @@ def test_periods_keep_their_plans_through_a_checkpoint_and_read_older_ones() -> 
     older = {"measured": [[1.0, 0.057, 0.020, 2]]}  # before plans were kept: any plan matches
     restored.load_state_dict(older)
     assert restored.predict([1.0], [0.020], [("lowrank", "lowrank")]) == [pytest.approx(0.057)]
+
+
+# ---------------------------------------------------------------- the first periods count while the model calibrates
+
+def test_the_first_periods_count_while_the_model_calibrates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probes see a link 10x faster than the exchanges get (on the MLP group's 2 shared cores the
+    # first decisions predicted 1-8 ms steps that took 13-23 ms): the first agreed samples move the
+    # model's step by more than REGIME_CHANGE, which dropped those steps' periods as if the link had
+    # changed, and the next decisions saw no forward, backward or optimizer at all.
+    link = FakeLink(monkeypatch.setattr, rate_bps=100e6)
+    fast = CostParams.uniform(LinkParams.from_bandwidth(link.alpha, 1e9))
+    monkeypatch.setattr(link, "probe", lambda sizes: [Observation(kind, nbytes, 2, seconds)
+                                                      for kind, nbytes, seconds in predicted_probe(sizes, 2, fast)])
+    controller = DensityController(CANDIDATES, measure_every=1)
+    calls = spy_updates(controller)
+    link.run(make_planner("agtopk", controller), range(12))
+    informed = [(step, seconds) for step, seconds in calls if step >= 4]
+    assert informed
+    for step, seconds in informed:
+        assert min(seconds) >= 0.95 * link.compute, (step, seconds)

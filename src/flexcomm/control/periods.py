@@ -10,7 +10,8 @@ For each density ``d`` the table keeps ``P[d]``, the agreed median period of ste
 ``d`` (EWMA over agreement points; a value more than ``JUMP`` times off replaces it whole: a
 new regime), and ``S[d]``, the median of the simulated steps those same steps ran under
 (a period over which the link changed, so that the model that learned from it simulates
-their plan far from what they ran under, is not kept: :meth:`StepPeriods.agreed`).
+their plan far from what they ran under, is not kept, unless it is the density's first: then it is
+paired with the model now, :meth:`StepPeriods.agreed`).
 A candidate ``c`` is predicted from a measurement at the *same* density wherever one exists,
 moved by what the model learned since (``S_now``, the simulated step now):
 
@@ -79,9 +80,15 @@ class StepPeriods:
         any bucket; paired with ``now``), unless the model now simulates its plan at ``now``, more than
         ``REGIME_CHANGE`` times off: the link changed while it ran.  (Kept, 114 ms of dense steps after a drop to
         100 Mbit, paired with the 1 Gbit model's 11 ms, left that density's prediction 2-8x too slow once the link
-        came back.)"""
+        came back.)  A density's first period is kept all the same, paired with ``now``: the model that learned
+        from its steps describes them better than the one they ran under, and without it the density is
+        predicted by the simulation alone, which leaves out forward and optimizer.  (Dropped, the first
+        periods of a run, whose samples calibrated a model fitted to the probes, left the decisions at
+        steps 4 and 8 predicting 1-8 ms for steps of 13-23 ms: MLP group at 38da885.)"""
         if ran_under and not ran_under / REGIME_CHANGE <= now <= ran_under * REGIME_CHANGE:
-            return
+            if density in self._measured:
+                return
+            ran_under = now
         self.observe(step, density, period, ran_under or now, plan)
 
     def predict(self, densities: Sequence[float], simulated: Sequence[float],

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexcomm.control.exploration import at_least_measured, backed_off, exploration
-from flexcomm.control.guard import (PlanPeriods, arm_exchange, guard_trial, measured_choice, remember_plan,
+from flexcomm.control.guard import (PlanPeriods, all_dense_wins, arm_exchange, guard_trial, measured_choice, remember_plan,
                                    smoothed_periods)
 from flexcomm.control.measurements import StepSample
 from flexcomm.control.pair_costs import PairCosts
@@ -187,8 +187,8 @@ class ExchangeChooser:
         self._simulated_plan = dict(zip(self.order, chosen))
         self.plan = dict(self._simulated_plan)
         dense, other = self.measured_steps.get("dense"), self.measured_steps.get("other")
-        if dense and other and (dense[0] < other[0] * plan_factor(costs, [self.plan[b] for b in self.order])
-                                * (1.0 - self.hysteresis)):
+        if dense and other and all_dense_wins(dense[0], other[0], plan_factor(costs, [self.plan[b] for b in self.order]),
+                                              self.hysteresis):
             self.plan = self._guard_plan()
         # A new density is a new plan, whatever its exchange names: its pairs were measured at another.
         changed = self.plan != before or density != density_before

@@ -26,7 +26,9 @@ The comparison is in the planner's units, time to accuracy: a plan period is cha
 steps factor (:func:`~flexcomm.control.step_model.plan_factor`; low-rank and AR-Topk buckets send
 less than each rank's own top-k), the all-dense steps none.  Compared raw, a plan of dense16 and
 low-rank buckets (quality 0.8-0.9) ran 13-23 ms steps at 1 Gbit, as PyTorch's fp16 hook did, and
-kept its 1.1-1.25x steps for the whole phase (MLP group, seed 5, at 70d1f80).
+kept its 1.1-1.25x steps for the whole phase (MLP group, seed 5, at 70d1f80).  A plan that gives up
+quality (steps factor over 1) must beat all-dense by the hysteresis to stay; a tie goes to all-dense
+(:func:`all_dense_wins`).
 
 A period more than a factor ``JUMP`` off the old one is a change of regime (a link that dropped
 or came back), not noise to average away: both periods start over (:func:`smoothed_periods`).
@@ -119,6 +121,20 @@ def measured_choice(periods: PlanPeriods, step: int, density: float, proposed: t
     measured = [plan for d, plan in sorted(periods) if d == density and len(plan) == len(proposed)]
     best = min(measured, key=charged)
     return best if charged(best) < own * (1.0 - hysteresis) else proposed
+
+
+def all_dense_wins(dense: float, plan: float, factor: float, hysteresis: float) -> bool:
+    """Whether all-dense steps of period ``dense`` replace a plan of period ``plan`` and steps factor ``factor``.
+
+    A plan that gives up quality (``factor > 1``) stays only where its charged period beats all-dense by
+    ``hysteresis``: a tie buys no time for the quality it gives up (the MLP group at 5498488 ran low-rank
+    and dense16 + low-rank plans at 1 Gbit at the fp16 hook's step, 18-20 ms, and reached the target
+    later: seed 2, 2.55 s against 1.61 s).  Between equals (dense and dense16 buckets) all-dense must
+    win by it.
+    """
+    if factor > 1.0:
+        return not plan * factor < dense * (1.0 - hysteresis)
+    return dense < plan * (1.0 - hysteresis)
 
 
 def arm_exchange(value_bytes: Iterable[int], dense16: bool) -> str:

@@ -217,17 +217,20 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 #: Targets besides TARGET_FRACTION, tabulated to show whether the verdict depends on where the target sits.
-SENSITIVITY_FRACTIONS = (0.95, 0.97, 0.98)
+#: (target fraction of dense's best, evaluations averaged).  A target reached in ~100 steps is first crossed
+#: by one noisy evaluation: in the MLP group the same code's median ratio read 1.39x and 1.01x in two sets ten
+#: minutes apart, and 0.98x / 0.90x on the mean of the last 3 evaluations (15 steps).
+SENSITIVITY = ((0.95, 1), (0.97, 1), (0.98, 1), (0.95, 3))
 
 
 def sensitivity(loaded: list[Run]) -> list[list[str]]:
-    """Per target fraction: each flex + auto rule's median and worst time to target over the fastest static of its
-    seed, and the median wall second at which the fastest static reached it (against the link schedule)."""
+    """Per target fraction (and evaluations averaged): each flex + auto rule's median and worst time to target over
+    the fastest static of its seed, and the median wall second at which the fastest static reached it."""
     dense = {r.spec.seed: r for r in loaded if r.spec.compressor == "dense"}
     table = []
-    for fraction in SENSITIVITY_FRACTIONS:
+    for fraction, window in SENSITIVITY:
         targets = {seed: runs.target_from(run, fraction) for seed, run in dense.items()}
-        reached = {(method_of(r), r.spec.seed): time_to_target(r, targets[r.spec.seed])[:2] for r in loaded
+        reached = {(method_of(r), r.spec.seed): time_to_target(r, targets[r.spec.seed], window)[:2] for r in loaded
                    if targets.get(r.spec.seed) is not None}
         fastest = {}  # seed -> (training, wall) seconds of its fastest static
         for seed in sorted({seed for _, seed in reached}):
@@ -239,7 +242,7 @@ def sensitivity(loaded: list[Run]) -> list[list[str]]:
             ratios = [_ratio(reached[(method, seed)][0], fastest[seed][0]) for seed in sorted(fastest)
                       if (method, seed) in reached]
             present = [r for r in ratios if r is not None]
-            table.append([f"{fraction:g}", method,
+            table.append([f"{fraction:g}" + (f", mean of the last {window} evaluations" if window > 1 else ""), method,
                           f"{statistics.median(present):.2f}" if present else "never",
                           f"{max(present):.2f}" if present else "-", f"{len(present)}/{len(ratios)}",
                           f"{statistics.median(walls):.1f}" if walls else "-"])

@@ -294,12 +294,16 @@ def load(spec: Spec) -> Run | None:
                load_json(spec.dir / "data.json"), load_json(spec.dir / "bench.json"))
 
 
-def time_to_target(run: Run, target: float) -> tuple[float | None, float | None, int | None]:
-    """(training seconds, wall seconds, step) at the first evaluation >= target; Nones if never."""
-    elapsed = 0.0
+def time_to_target(run: Run, target: float, window: int = 1) -> tuple[float | None, float | None, int | None]:
+    """(training seconds, wall seconds, step) at the first evaluation where the mean of the last ``window``
+    evaluations is >= target; Nones if never.  ``window`` 1: the first evaluation >= target."""
+    elapsed, recent = 0.0, []
     for r in run.records:
         elapsed += r["t_step"]
-        if (r.get("accuracy") or -1.0) >= target:
+        if r.get("accuracy") is None:
+            continue
+        recent = [*recent[1 - window:], r["accuracy"]] if window > 1 else [r["accuracy"]]
+        if len(recent) == window and statistics.fmean(recent) >= target:
             return elapsed, r["wall"], r["step"] + 1
     return None, None, None
 

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mechanisms  # noqa: E402
-from runs import Run, Spec  # noqa: E402
+from runs import Run, Spec, time_to_target  # noqa: E402
 
 
 def _run(step_ms: list[float], decisions: list[tuple[int, float, float]] | None = None,
@@ -62,3 +62,12 @@ def test_prediction_errors_compare_with_the_period_the_controller_predicts_not_t
     # The controller predicts a step's whole period, data loading included (t_step leaves it out).
     run = _run([10.0] * 20, [(1, 1.0, 12.0)], loading_ms=2.0)
     assert mechanisms.prediction_errors(run)[1.0] == [pytest.approx(0.0, abs=1e-9)]
+
+
+def test_time_to_target_on_the_mean_of_the_last_evaluations_ignores_one_lucky_evaluation() -> None:
+    run = _run([10.0] * 12)
+    for record, accuracy in zip(run.records[1::2], [0.5, 0.9, 0.6, 0.8, 0.85, 0.9]):
+        record["accuracy"] = accuracy
+    assert time_to_target(run, 0.8) == (pytest.approx(0.04), pytest.approx(0.04), 4)  # the spike at step 3
+    assert time_to_target(run, 0.8, window=3) == (pytest.approx(0.12), pytest.approx(0.12), 12)  # (0.8+0.85+0.9)/3
+    assert time_to_target(run, 0.95, window=3) == (None, None, None)

@@ -488,6 +488,23 @@ def test_guard_tries_dense_only_when_the_model_rates_it_close_to_the_plan() -> N
     assert [model.choose(b, step, 0.1, 2) for step in (25, 26, 27) for b in (0, 1)] == plan * 3
 
 
+def test_guard_rates_dense_on_whole_steps_where_the_plan_s_period_was_measured() -> None:
+    # The simulation rates all-dense ~2.5x the plan (exchanges and backward only).  Measured, the plan's
+    # whole steps take 0.2 s more than simulated (forward, optimizer, CPU shared): whole steps of dense would
+    # be well within GUARD_MARGIN of the plan's, so the guard tries it (MLP group, seed 3 at 57c572a: never
+    # tried, a low-rank plan ran 116 steps at all-dense16's period).  Measured as simulated: still not tried.
+    model = chooser_at(1e9, [0, 1])
+    model.replan(0.1, 2)
+    costs = model.step_costs(0.1, 2)
+    plan = [model.plan[b] for b in model.order]
+    simulated = simulate_step(costs, plan)
+    model.observe_steps(20, dense=None, other=simulated + 0.2)
+    assert [model.choose(b, step, 0.1, 2) for step in (25, 26, 27) for b in (0, 1)] == ["dense16"] * 6
+    model.observe_steps(30, dense=None, other=0.1 * simulated)  # a jump: the periods start over
+    model.observe_steps(40, dense=None, other=simulated)
+    assert [model.choose(b, step, 0.1, 2) for step in (75, 76, 77) for b in (0, 1)] == plan * 3
+
+
 def test_single_bucket_choices_follow_the_link() -> None:
     # 25M floats at density 0.01 with a 50 ms selection: 100 Gbit/s keeps dense; 100 Mbit/s on
     # 64 ranks picks AR-Topk (the allgather moves 63 x 2 MB); 5 ms latency with k = 10 on 8

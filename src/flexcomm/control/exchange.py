@@ -266,8 +266,9 @@ class ExchangeChooser:
         """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
         if bucket not in self.plan:
             return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
+        measured = self.measured_steps.get("other")
         trial = guard_trial(step, self.guard_every * self._guard_scale, self.plan, self._simulated_plan, self._guard_plan(),
-                            lambda: self._trial_costs(density, world))
+                            lambda: self._trial_costs(density, world), measured[0] if measured else None)
         if trial is not None:
             return trial[bucket]
         explored = self._exploration(step, density, world)

@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,12 +298,12 @@ def load(spec: Spec) -> Run | None:
 def time_to_target(run: Run, target: float, window: int = 1) -> tuple[float | None, float | None, int | None]:
     """(training seconds, wall seconds, step) at the first evaluation where the mean of the last ``window``
     evaluations is >= target; Nones if never.  ``window`` 1: the first evaluation >= target."""
-    elapsed, recent = 0.0, []
+    elapsed, recent = 0.0, deque(maxlen=window)
     for r in run.records:
         elapsed += r["t_step"]
         if r.get("accuracy") is None:
             continue
-        recent = [*recent[1 - window:], r["accuracy"]] if window > 1 else [r["accuracy"]]
+        recent.append(r["accuracy"])
         if len(recent) == window and statistics.fmean(recent) >= target:
             return elapsed, r["wall"], r["step"] + 1
     return None, None, None

@@ -33,7 +33,7 @@ Everything is plain Python on agreed inputs in a fixed order: every rank plans a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,12 +195,14 @@ class ExchangeChooser:
         self._explore_scale = backed_off(self._explore_scale, changed, bool(self._wanted), self._exploration_seen)
         self._exploration_seen = False
         # The guard's trials back off while they confirm which side of the guard runs.
-        guard_changed = self._is_guard_plan(before) != self._is_guard_plan(self.plan) or density != density_before
+        guard_changed = (self._is_guard_plan(before.values()) != self._is_guard_plan(self.plan.values())
+                         or density != density_before)
         self._guard_scale = backed_off(self._guard_scale, guard_changed, False, self._guard_seen)
         self._guard_seen = False
 
-    def _is_guard_plan(self, plan: dict[int, str]) -> bool:
-        return bool(plan) and set(plan.values()) == {self.guard_exchange}
+    def _is_guard_plan(self, exchanges: Iterable[str]) -> bool:
+        """Whether a plan's ``exchanges`` are the guard's all-dense steps (no exchanges: no plan, not those)."""
+        return set(exchanges) == {self.guard_exchange}
 
     def _drifted_faster(self, bucket: int, exchange: str, world: int) -> bool:
         """Whether the model rates a pair not measured in the last interval ``TRUST_DRIFT`` times below its last measurement."""
@@ -222,7 +224,7 @@ class ExchangeChooser:
         self.measured_steps = {} if link_changed else smoothed_periods(self.measured_steps, step, dense, other,
                                                                         self.smoothing)
         self._last_agreed = step
-        trial = other if self._is_guard_plan(self.plan) else dense
+        trial = other if self._is_guard_plan(self.plan.values()) else dense
         if not self.measured_steps:  # a new link (or a jump): the guard compares afresh, at its full rate
             self._guard_scale, self._guard_seen = 1, False
         elif trial is not None:
@@ -237,7 +239,7 @@ class ExchangeChooser:
         """The plan of the steps that were not all-dense since the last replan: the plan in force, or the
         simulated plan the guard's trials ran while the plan in force was all-dense (() if unknown)."""
         plan = self.plan_in_force()
-        if plan and set(plan) == {self.guard_exchange}:
+        if self._is_guard_plan(plan):
             simulated = tuple(self._simulated_plan.get(b, "") for b in self.order)
             return simulated if all(simulated) and simulated != plan else ()
         return plan

@@ -10,10 +10,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flexcomm
 from fake_link import WORLD, FakeLink, make_planner
-from flexcomm.compress.stats import sample_positions
+from flexcomm.compress.stats import sample_positions, sample_size
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.probing import MAX_PROBE_STRETCH, probe_due
-from flexcomm.control.quality import MIN_QUALITY, quality_factor
+from flexcomm.control.quality import MIN_QUALITY, QUALITY_EVERY, measures_quality, quality_factor
 from flexcomm.cost import CostEstimator, CostParams, LinkParams
 from multiproc import raised, run_world
 from test_lowrank import Injector, gradients
@@ -40,10 +40,10 @@ def _quality(rank: int, world: int, steps: int) -> dict:
 
 
 def test_quality_is_the_update_s_cosine_to_the_mean_gradient_on_the_shared_sample() -> None:
-    steps, world = 3, 2
+    steps, world = QUALITY_EVERY + 2, 2
     results = run_world(_quality, world, steps)
     numel = 64 * 50
-    for step in range(steps):
+    for step in (0, QUALITY_EVERY):
         mean = torch.stack([gradients(r, step, MATRIX)[0] for r in range(world)]).mean(0).reshape(-1)
         update = results[0]["updates"][step].reshape(-1)
         sample = sample_positions(numel, step)
@@ -52,6 +52,16 @@ def test_quality_is_the_update_s_cosine_to_the_mean_gradient_on_the_shared_sampl
         assert rec.exchange == "lowrank" and rec.quality == pytest.approx(expected, abs=1e-5)
         assert results[1]["records"][step].quality == rec.quality  # computed from allreduced values on every rank
         assert 0.0 < rec.quality < 1.0
+
+
+def test_the_quality_sample_rides_on_one_step_in_quality_every() -> None:
+    # Between the measured steps the second allreduce carries the factors alone: no sample's bytes.
+    records = run_world(_quality, 2, QUALITY_EVERY + 2)[0]["records"]
+    factors = (64 + 50) * 4
+    measured = [r.step for r in records if not math.isnan(r.quality)]
+    assert measured == [0, QUALITY_EVERY]
+    assert [r.k for r in records] == [factors + (sample_size(64 * 50) if r.step in measured else 0) for r in records]
+    assert measures_quality(3, explored=True)  # an exploration's one step always measures
 
 
 def _fixed_lowrank(rank: int, world: int) -> list:

@@ -38,6 +38,7 @@ from flexcomm.compress.lowrank import DEFAULT_RANK, LowRankQueries
 from flexcomm.compress.mstopk import DEFAULT_ROUNDS
 from flexcomm.compress.stats import sample_size, sampled
 from flexcomm.control import DensityController, ExchangeChooser, StepPlanner
+from flexcomm.control.quality import QUALITY_EVERY, measures_quality
 from flexcomm.exchange import DENSE_EXCHANGES, BucketJob, LeaderPolicy, make_leader_policy
 from flexcomm.exchange.job import BucketRecord, DeviceOutcome
 from flexcomm.options import FlexOptions
@@ -313,7 +314,8 @@ class FlexState:
         workspace = self._workspaces.setdefault(index, TopkWorkspace())
         accumulation, span = None, None
         # flex charges the low-rank exchange by its update's quality, measured on a sample of g / N.
-        sample, sampled_grad = sampled(grad, step, self.world_size) if plan.exchange == "lowrank" and self.planner.estimating \
+        sample, sampled_grad = sampled(grad, step, self.world_size) \
+            if plan.exchange == "lowrank" and self.planner.estimating and measures_quality(step, plan.explored) \
             else (None, None)
         if dense:
             accumulated = self.memory.compensate(index, handed.layout, grad)
@@ -349,7 +351,8 @@ class FlexState:
         if not self._low_rank_choice:
             return None
         split = self.low_rank.split(handed.index, handed.shapes)
-        return split.payload(sample_size(handed.grad.numel())) if split.matrices else None
+        # The model plans on the mean payload: the sample rides on one step in QUALITY_EVERY.
+        return split.payload(-(-sample_size(handed.grad.numel()) // QUALITY_EVERY)) if split.matrices else None
 
     def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:
         """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work).

@@ -64,3 +64,21 @@ def quality_factor(quality: float) -> float:
     if not math.isfinite(quality):
         return 1.0
     return 1.0 / min(1.0, max(MIN_QUALITY, quality))
+
+
+#: ``flex`` measures the low-rank quality on every this many steps (and on every exploration).
+QUALITY_EVERY = 5
+
+
+def measures_quality(step: int, explored: bool) -> bool:
+    """Whether a low-rank exchange at ``step`` carries the quality sample (the same on every rank: the
+    second allreduce's length depends on it).
+
+    The sample (1024 values of ``g / N`` per bucket) rides on the second allreduce; every step it
+    added 8 KB to the demo MLP's two buckets, whose factors are 49.6 KB: 16% more bytes on the
+    links where low-rank runs.  Every ``QUALITY_EVERY``-th step keeps two readings per agreement
+    interval of 10 steps (the quality moves over hundreds of steps) for 3% more bytes; an
+    exploration always measures, since its one step is all the chooser learns from.
+    """
+    return explored or step % QUALITY_EVERY == 0
+

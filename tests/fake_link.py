@@ -58,7 +58,7 @@ class FakeLink:
         planner = importlib.import_module("flexcomm.control.planner")
         patch(planner, "perf_counter", lambda: self.clock)
         patch(importlib.import_module("flexcomm.control.step_log"), "perf_counter", lambda: self.clock)
-        patch(planner, "probe_collectives", lambda sizes, group: self.probe(sizes))
+        patch(planner, "probe_collectives", lambda sizes, group, algorithms: self.probe(sizes))
         patch(StepPlanner, "world_size", property(lambda _: WORLD))
         if identity:
             patch(importlib.import_module("flexcomm.control.agreement_point"), "allreduce_floats_async",

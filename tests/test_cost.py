@@ -28,12 +28,13 @@ from flexcomm.cost import (
     collective_coefficients,
     collective_time,
     dense_time,
+    link_bound,
     merge_observations,
     predict_exchange_times,
     probe_size,
     probe_time,
 )
-from flexcomm.cost.model import ALGORITHMS, ceil_log2
+from flexcomm.cost.model import ALGORITHMS, GLOO_ALGORITHMS, ceil_log2
 
 LINK = LinkParams(alpha=1e-3, beta=1e-9)  # 1 ms, 1 ns/byte
 M = 1e6  # bytes
@@ -359,6 +360,37 @@ def test_a_message_mostly_spent_on_latency_cuts_nothing():
     assert probe_size(1 << 20, (65536, 0.060), 0.050) == 1 << 20
     # A tiny message: all latency, however slow.
     assert probe_size(4096, (64, 0.004), 0.0039) == 4096
+
+
+def test_a_kind_that_read_a_shaped_link_s_burst_is_cut_at_the_slowest_kind_s_rate():
+    # 20 Mbit/s behind a token bucket: the first 64 KiB allreduce passed in the burst (0.7 ms), the
+    # allgather after it read the link (24 ms).  The kinds share the link: the allreduce's 1 MiB is cut
+    # as the allgather's is, to twice 64 KiB, instead of being timed whole (0.44 s).
+    latency = 0.0001
+    last = {"allreduce": (65536, 0.0007), "allgather": (65536, 0.024), "broadcast": (65536, 0.026)}
+    assert probe_size(1 << 20, last["allreduce"], latency) == 1 << 20
+    bound = link_bound(last, latency, 2, GLOO_ALGORITHMS)
+    assert bound["allreduce"] == (65536, 0.026) and bound["broadcast"] == (65536, 0.026)  # never lowered
+    assert probe_size(1 << 20, bound["allreduce"], latency) == 2 * 65536
+
+
+def test_the_slowest_rate_is_per_unit_of_each_kind_s_bandwidth_term():
+    # 4 ranks on gloo: a ring allgather's m bytes cost 3m of transfer, a ring allreduce's 1.5m, a binomial
+    # broadcast's 2m.  The allgather's rate moves the others by their own coefficients.
+    latency, world = 0.0001, 4
+    transfer = 0.030
+    last = {"allreduce": (65536, 0.0008), "allgather": (65536, latency + transfer), "broadcast": (65536, 0.0009)}
+    bound = link_bound(last, latency, world, GLOO_ALGORITHMS)
+    assert bound["allgather"] == last["allgather"]
+    assert bound["allreduce"][1] == pytest.approx(latency + transfer * 1.5 / 3)
+    assert bound["broadcast"][1] == pytest.approx(latency + transfer * 2 / 3)
+
+
+def test_messages_spent_on_latency_bound_nothing():
+    # 64 KiB in 60 ms on a 50 ms link says little about the rate (as probe_size reads it): no kind moves.
+    last = {"allreduce": (65536, 0.0006), "allgather": (65536, 0.060)}
+    assert link_bound(last, 0.050, 2, GLOO_ALGORITHMS) == last
+    assert link_bound({}, 0.050, 2, GLOO_ALGORITHMS) == {}
 
 
 @pytest.mark.parametrize("rate_bps, cut", [(10e9, False), (1e9, False), (100e6, True), (20e6, True)])

@@ -16,7 +16,8 @@ from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.control import guard, step_log
 from flexcomm.control.exchange import ExchangeChooser, StepSample
 from flexcomm.control.step_model import BucketCosts, best_plan, simulate_step
-from flexcomm.cost import KINDS, CostEstimator, CostParams, LinkParams, Observation, predict_exchange_times, probe_size
+from flexcomm.cost import (GLOO_ALGORITHMS, KINDS, CostEstimator, CostParams, LinkParams, Observation, link_bound,
+                           predict_exchange_times, probe_size)
 from multiproc import run_world
 from test_hook_distributed import M, exchange, gradient, hooked_model
 
@@ -564,10 +565,32 @@ def test_a_probe_cuts_its_larger_size_alike_on_every_rank_from_the_agreed_time(w
         assert r == results[0]
     def slowest(nbytes: int) -> float:  # the MAX over ranks
         return nbytes * 8 / 100e6 * (1 + 0.1 * (world - 1))
-    cut = probe_size(1 << 20, (65536, slowest(65536)), slowest(4))
-    assert 2 * 65536 <= cut < 1 << 20
-    assert [(obs.kind, obs.nbytes) for obs in results[0]] == [(k, n) for n in (65536, cut) for k in KINDS]
+    # Every kind cut at the slowest rate per unit of its bandwidth term (on 4 ranks the allreduce's).
+    bound = link_bound({k: (65536, slowest(65536)) for k in KINDS}, slowest(4), world, GLOO_ALGORITHMS)
+    cuts = [probe_size(1 << 20, bound[k], slowest(4)) for k in KINDS]
+    assert all(2 * 65536 <= cut < 1 << 20 for cut in cuts)
+    assert [(obs.kind, obs.nbytes) for obs in results[0]] == [(k, 65536) for k in KINDS] + list(zip(KINDS, cuts))
     assert results[0][0].seconds == pytest.approx(slowest(65536))
+
+
+def _probe_behind_a_token_bucket(rank: int, world: int) -> list:
+    # 20 Mbit/s whose token bucket passes the first message, the 64 KiB allreduce, at line speed.
+    probes = importlib.import_module("flexcomm.comm.probes")
+    first = [True]
+
+    def timed(kind: str, nbytes: int, group: object) -> float:
+        burst, first[0] = first[0] and kind == "allreduce" and nbytes == 65536, False
+        return 0.0007 if burst else 0.0001 + nbytes * 8 / 20e6
+
+    probes._timed = timed
+    return probe_collectives((65536, 1 << 20), None)
+
+
+def test_a_probe_cuts_every_kind_at_the_slowest_rate_the_link_showed() -> None:
+    # The allreduce read the burst, the allgather and broadcast the link (26 ms for 64 KiB): the
+    # 1 MiB allreduce would take 0.42 s; it is cut like the others, to twice 64 KiB.
+    results = run_world(_probe_behind_a_token_bucket, 2)
+    assert [(obs.kind, obs.nbytes) for obs in results[0][3:]] == [(k, 2 * 65536) for k in KINDS]
 
 
 def _flex_run(rank: int, world: int, steps: int, probe_sizes: tuple[int, ...] = (64, 4096), probe_every: int = 5) -> dict:

@@ -24,19 +24,22 @@ import torch.distributed as dist
 
 from flexcomm.comm.agreement import allreduce_floats
 from flexcomm.comm.collectives import allgather, broadcast_from, control_device
-from flexcomm.cost import KINDS, Observation, probe_size
+from flexcomm.cost import GLOO_ALGORITHMS, KINDS, Algorithms, CollectiveKind, Observation, link_bound, probe_size
 
 
-def probe_collectives(sizes: Sequence[int], group: dist.ProcessGroup | None) -> list[Observation]:
+def probe_collectives(sizes: Sequence[int], group: dist.ProcessGroup | None,
+                      algorithms: Algorithms = GLOO_ALGORITHMS) -> list[Observation]:
     """Time allreduce, allgather and broadcast at each size in bytes (ascending, each cut by
-    :func:`~flexcomm.cost.probe_size`); identical result on all ranks."""
+    :func:`~flexcomm.cost.probe_size` at the slowest rate of the round before,
+    :func:`~flexcomm.cost.link_bound`, for the collectives' ``algorithms``); identical result on all ranks."""
     world = dist.get_world_size(group)
     observations: list[Observation] = []
-    last: dict[str, tuple[int, float]] = {}
+    last: dict[CollectiveKind, tuple[int, float]] = {}
     latency: float | None = None
     for size in sorted(set(sizes)):
         # Every rank cuts alike: from the agreed (MAX) times of the round before.
-        plan = [(kind, size if latency is None else probe_size(size, last.get(kind), latency)) for kind in KINDS]
+        bound = {} if latency is None else link_bound(last, latency, world, algorithms)
+        plan = [(kind, size if latency is None else probe_size(size, bound.get(kind), latency)) for kind in KINDS]
         local = [_timed(kind, nbytes, group) for kind, nbytes in plan]
         if latency is None:
             local.append(_timed("allreduce", 4, group))

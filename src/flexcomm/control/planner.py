@@ -193,7 +193,7 @@ class StepPlanner:
         agreement, self._agreement = self._agreement, None
         learned = False
         if self._probe_due(step):
-            self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group))
+            self.chooser.estimator.observe_all(probe_collectives(self.probe_sizes, self.group, self.chooser.params.algorithms))
             self.probed_at = step
             learned = True
         measured = agreement.measured() if agreement else None  # waits: issued at the previous step's end

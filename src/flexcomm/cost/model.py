@@ -65,6 +65,7 @@ Only communication is modelled; the cost of selecting the top-k is the controlle
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -236,13 +237,16 @@ def probe_size(size: int, last: tuple[int, float] | None, latency: float) -> int
 
 def link_bound(last: dict[CollectiveKind, tuple[int, float]], latency: float, world_size: int,
                algorithms: Algorithms) -> dict[CollectiveKind, tuple[int, float]]:
-    """Each kind's last ``(bytes, seconds)`` with its seconds raised to the slowest link rate any kind showed.
+    """Each kind's last ``(bytes, seconds)``, its seconds raised to the kinds' median link rate where that is slower.
 
     The kinds share one link, but a shaped link passes a message that fits its token bucket at
     line speed, so the kind probed first at a size can read many times the link's rate and its
     next size would go uncut: at 20 Mbit/s a 64 KiB allreduce read 0.7 ms, so the 1 MiB one was
     timed whole and took 0.44 s, where the allgather's 64 KiB, sent after it, had read 24 ms.
-    The rate is each message's transfer (its seconds less ``latency``) per unit of its bandwidth
+    The median, not the slowest: on a fast link one kind's small message slowed by the host
+    (3-4 ms for 64 KiB at 1 Gbit/s) would otherwise cut every kind to a few hundred KB, messages
+    too small to fit the rate (the dense allreduce was then predicted at 2-6x its time).
+    A rate is a message's transfer (its seconds less ``latency``) per unit of its bandwidth
     coefficient ``b`` (:func:`collective_coefficients`); a message that spent more time on latency
     than on transfer gives none (see :func:`probe_size`).
     """
@@ -253,8 +257,8 @@ def link_bound(last: dict[CollectiveKind, tuple[int, float]], latency: float, wo
              if seconds - latency > latency and per_unit(kind, nbytes) > 0.0]
     if not rates:
         return dict(last)
-    slowest = max(rates)
-    return {kind: (nbytes, max(seconds, latency + slowest * per_unit(kind, nbytes)))
+    rate = statistics.median(rates)
+    return {kind: (nbytes, max(seconds, latency + rate * per_unit(kind, nbytes)))
             for kind, (nbytes, seconds) in last.items()}
 
 

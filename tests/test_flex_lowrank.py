@@ -60,7 +60,9 @@ def test_the_quality_sample_rides_on_one_step_in_quality_every() -> None:
     factors = (64 + 50) * 4
     measured = [r.step for r in records if not math.isnan(r.quality)]
     assert measured == [0, QUALITY_EVERY]
-    assert [r.k for r in records] == [factors + (sample_size(64 * 50) if r.step in measured else 0) for r in records]
+    assert [r.bytes_sent for r in records] == [4 * (factors + (sample_size(64 * 50) if r.step in measured else 0))
+                                               for r in records]
+    assert all(r.k == factors for r in records)  # the update's payload: the step's density does not move with the sample
     assert measures_quality(3, explored=True)  # an exploration's one step always measures
 
 

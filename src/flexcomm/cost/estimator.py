@@ -22,8 +22,16 @@ i.e. recursive least squares with exponential forgetting.  The sums ``S = sum w 
 ``r = sum w x y`` are kept (5 floats); each sample multiplies them by ``lam`` and adds its
 own term, so a sample's weight halves every ``ln 2 / -ln lam`` samples (23 at 0.97).
 The prior term ``p_n = max(lam^n p_0, p_floor)`` (the prior is worth ``p_0`` samples at the
-start) settles ``theta`` before two independent samples exist, fades like the data, and its
-tiny floor keeps the 2x2 system solvable when only one message size is ever observed.
+start) settles ``theta`` before any sample exists, fades like the data, and its tiny floor keeps
+the 2x2 system solvable when only one message size is ever observed.  ``p_0`` is
+:data:`PRIOR_WEIGHT`, a hundredth of a sample.  The prior is a ridge towards ``(1, 1)``, i.e.
+1 Gbit/s, and a slow link sits far from it (``v`` ~ 10 at 100 Mbit/s, ~ 50 at 20 Mbit/s): worth a
+whole sample it pulled the start-up probe's two sizes per kind to 0.64-0.68x the time of the demo
+MLP's dense allreduce (2.7 MB, 2 ranks) on exact 20-100 Mbit/s times, and 4.4x at 10 Gbit/s
+(0.99x and 1.25x now).  Measured (``benchmarks/probe_cost.py --rounds 8``, one probe per fit, median
+error of that allreduce): 5% / 50% / 49% at 1 Gbit/s / 100 / 20 Mbit/s with a whole sample (1 Gbit/s
+being the prior), 14% / 19% / 9% at a hundredth, 25% / 14% / 6% at 1e-4 (a fit left to two noisy
+samples at 1 Gbit/s, where 64 KiB takes under a millisecond).
 
 One message size.  Samples of a single size pin only ``x . theta = y``: any point of that
 line fits them, and the faces of the constraint (``alpha = 0`` or ``beta = 0``) fit them as
@@ -90,6 +98,8 @@ from flexcomm.cost.model import (
 #: takes 0.2-0.4 ms here, i.e. two latency terms) and 1 Gbit/s.
 DEFAULT_PRIOR = LinkParams.from_bandwidth(1e-4, 1e9)
 STATE_VERSION = 1
+#: The prior's worth in samples at the start (see the module docstring).
+PRIOR_WEIGHT = 0.01
 #: Below this ratio of the sample matrix's eigenvalues (smaller / larger) the samples are
 #: treated as one message size.  Measured on the prior's scale: two sizes 2x apart give
 #: ~4e-3, sizes spread over 128 KiB-64 MiB ~1.3e-3; one size after probes at two sizes
@@ -141,7 +151,7 @@ class AlphaBetaEstimator:
         forgetting: float = 0.97,
         algorithm: str | None = None,
         prior: LinkParams = DEFAULT_PRIOR,
-        prior_weight: float = 1.0,
+        prior_weight: float = PRIOR_WEIGHT,
         prior_floor: float = 1e-9,
     ) -> None:
         if not 0.0 < forgetting <= 1.0:
@@ -294,7 +304,8 @@ class CostEstimator:
     coefficients are fitted (gloo's by default).
     """
 
-    def __init__(self, prior: CostParams | None = None, forgetting: float = 0.97, prior_weight: float = 1.0) -> None:
+    def __init__(self, prior: CostParams | None = None, forgetting: float = 0.97,
+                 prior_weight: float = PRIOR_WEIGHT) -> None:
         prior = prior if prior is not None else CostParams.uniform(DEFAULT_PRIOR)
         self.estimators: dict[CollectiveKind, AlphaBetaEstimator] = {
             kind: AlphaBetaEstimator(

@@ -51,8 +51,8 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     second = torch.empty(split.q_numel + extra, dtype=dtype, device=device)
     if sampled is not None:  # the ranks' g_i / N at the sample ride along: their sum is the mean gradient there
         second[split.q_numel :].copy_(sampled)
-    rec.k = first.numel() + second.numel()
-    rec.bytes_sent = rec.k * first.element_size()
+    rec.k = first.numel() + split.q_numel  # the update's payload; the quality sample is in the bytes only
+    rec.bytes_sent = (first.numel() + second.numel()) * first.element_size()
     launched = clock.now(device)
     allreduce_sum(first, job.group).wait()
     reduced = clock.now(device)

@@ -352,7 +352,7 @@ class FlexState:
             return None
         split = self.low_rank.split(handed.index, handed.shapes)
         # The model plans on the mean payload: the sample rides on one step in QUALITY_EVERY.
-        return split.payload(-(-sample_size(handed.grad.numel()) // QUALITY_EVERY)) if split.matrices else None
+        return split.payload(math.ceil(sample_size(handed.grad.numel()) / QUALITY_EVERY)) if split.matrices else None
 
     def _accumulate(self, handed: HandedBucket, k: int | None, workspace: TopkWorkspace) -> tuple[Accumulation, tuple[Mark, Mark]]:
         """The memory's accumulation pass for a sparse exchange, with its time marks (the exchange's local work).

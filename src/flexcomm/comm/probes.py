@@ -30,8 +30,9 @@ from flexcomm.cost import GLOO_ALGORITHMS, KINDS, Algorithms, CollectiveKind, Ob
 def probe_collectives(sizes: Sequence[int], group: dist.ProcessGroup | None,
                       algorithms: Algorithms = GLOO_ALGORITHMS) -> list[Observation]:
     """Time allreduce, allgather and broadcast at each size in bytes (ascending, each cut by
-    :func:`~flexcomm.cost.probe_size` at the slowest rate of the round before,
-    :func:`~flexcomm.cost.link_bound`, for the collectives' ``algorithms``); identical result on all ranks."""
+    :func:`~flexcomm.cost.probe_size` at the kinds' median rate of the round before where slower than
+    the kind's own, :func:`~flexcomm.cost.link_bound`, for the collectives' ``algorithms``); identical
+    result on all ranks."""
     world = dist.get_world_size(group)
     observations: list[Observation] = []
     last: dict[CollectiveKind, tuple[int, float]] = {}

@@ -81,4 +81,3 @@ def measures_quality(step: int, explored: bool) -> bool:
     exploration always measures, since its one step is all the chooser learns from.
     """
     return explored or step % QUALITY_EVERY == 0
-

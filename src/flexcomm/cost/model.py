@@ -250,22 +250,20 @@ def link_bound(last: dict[CollectiveKind, tuple[int, float]], latency: float, wo
     coefficient ``b`` (:func:`collective_coefficients`); a message that spent more time on latency
     than on transfer gives none (see :func:`probe_size`).
     """
-    def per_unit(kind: CollectiveKind, nbytes: int) -> float:
-        return collective_coefficients(kind, algorithms.of(kind), nbytes, world_size)[1]
-
-    rates = [(seconds - latency) / per_unit(kind, nbytes) for kind, (nbytes, seconds) in last.items()
-             if seconds - latency > latency and per_unit(kind, nbytes) > 0.0]
+    units = {kind: collective_coefficients(kind, algorithms.of(kind), nbytes, world_size)[1]
+             for kind, (nbytes, _) in last.items()}
+    rates = [(seconds - latency) / units[kind] for kind, (_, seconds) in last.items()
+             if seconds - latency > latency and units[kind] > 0.0]
     if not rates:
         return dict(last)
     rate = statistics.median(rates)
-    return {kind: (nbytes, max(seconds, latency + rate * per_unit(kind, nbytes)))
-            for kind, (nbytes, seconds) in last.items()}
+    return {kind: (nbytes, max(seconds, latency + rate * units[kind])) for kind, (nbytes, seconds) in last.items()}
 
 
 def predicted_probe(sizes: Sequence[int], world_size: int, params: CostParams) -> list[tuple[CollectiveKind, int, float]]:
     """``(kind, bytes, seconds)`` of every message of one probe under ``params``, in the probe's order:
     ``sizes`` ascending, every kind at each, each cut by :func:`probe_size` on the predicted times
-    raised to the slowest kind's rate (:func:`link_bound`), as the probe cuts them."""
+    raised to the kinds' median rate (:func:`link_bound`), as the probe cuts them."""
     latency = collective_time("allreduce", 4, world_size, params)
     messages: list[tuple[CollectiveKind, int, float]] = []
     last: dict[CollectiveKind, tuple[int, float]] = {}

@@ -283,21 +283,6 @@ def test_estimator_prior_and_ignored_samples():
         AlphaBetaEstimator("allreduce", forgetting=0.0)
 
 
-@pytest.mark.parametrize(("rate_bps", "within"), [(20e6, 0.03), (100e6, 0.03), (1e9, 0.03), (10e9, 0.3)])
-def test_a_probe_s_two_sizes_fit_a_link_far_from_the_prior(rate_bps, within):
-    # Exact alpha-beta times of the start-up probe's sizes: the fit predicts the demo MLP's dense
-    # allreduce (2.7 MB, 2 ranks) within a few percent.  Worth a whole sample, the prior (1 Gbit/s)
-    # pulled it to 0.64x at 20 Mbit/s and 0.68x at 100 Mbit/s, and to 4.4x at 10 Gbit/s, where the
-    # probe's messages are mostly latency and the prior still weighs (1.25x now).
-    truth = CostParams.uniform(LinkParams.from_bandwidth(2e-4, rate_bps))
-    est = CostEstimator(forgetting=0.9)
-    est.observe_all([Observation(kind, nbytes, 2, collective_time(kind, nbytes, 2, truth))
-                     for nbytes in (65536, 1 << 20) for kind in KINDS])
-    dense = 669_706 * 4
-    predicted = collective_time("allreduce", dense, 2, est.params)
-    assert predicted == pytest.approx(allreduce_time(dense, 2, truth.allreduce), rel=within)
-
-
 def test_estimator_is_deterministic_and_state_round_trips():
     samples = _samples(random.Random(7), 50)
     first, second = AlphaBetaEstimator("allreduce"), AlphaBetaEstimator("allreduce")

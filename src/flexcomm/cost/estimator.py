@@ -24,14 +24,14 @@ own term, so a sample's weight halves every ``ln 2 / -ln lam`` samples (23 at 0.
 The prior term ``p_n = max(lam^n p_0, p_floor)`` (the prior is worth ``p_0`` samples at the
 start) settles ``theta`` before any sample exists, fades like the data, and its tiny floor keeps
 the 2x2 system solvable when only one message size is ever observed.  ``p_0`` is
-:data:`PRIOR_WEIGHT`, a hundredth of a sample.  The prior is a ridge towards ``(1, 1)``, i.e.
-1 Gbit/s, and a slow link sits far from it (``v`` ~ 10 at 100 Mbit/s, ~ 50 at 20 Mbit/s): worth a
-whole sample it pulled the start-up probe's two sizes per kind to 0.64-0.68x the time of the demo
-MLP's dense allreduce (2.7 MB, 2 ranks) on exact 20-100 Mbit/s times, and 4.4x at 10 Gbit/s
-(0.99x and 1.25x now).  Measured (``benchmarks/probe_cost.py --rounds 8``, one probe per fit, median
-error of that allreduce): 5% / 50% / 49% at 1 Gbit/s / 100 / 20 Mbit/s with a whole sample (1 Gbit/s
-being the prior), 14% / 19% / 9% at a hundredth, 25% / 14% / 6% at 1e-4 (a fit left to two noisy
-samples at 1 Gbit/s, where 64 KiB takes under a millisecond).
+:data:`PRIOR_WEIGHT`, one sample.  The prior is a ridge towards ``(1, 1)``, i.e. 1 Gbit/s, and a
+slow link sits far from it (``v`` ~ 10 at 100 Mbit/s): it pulls the start-up probe's fit there to
+about half the dense allreduce's time (``benchmarks/probe_cost.py --rounds 8``, median error of the
+MLP's dense allreduce predicted from one probe: 5% / 50% / 49% at 1 Gbit/s / 100 / 20 Mbit/s; at a
+hundredth of a sample 14% / 19% / 9%).  Not lowered: with a weak prior a noisy probe on a fast link
+can fit ``beta = 0`` (bytes free), and ``flex`` on loopback then rated dense16 no cheaper than dense
+in 2 of 12 runs of ``test_flex_dense16_is_the_fp16_average_widened`` (0 of 12 at one sample).  The
+per-pair calibration of measured over modelled times corrects the chooser's times once pairs run.
 
 One message size.  Samples of a single size pin only ``x . theta = y``: any point of that
 line fits them, and the faces of the constraint (``alpha = 0`` or ``beta = 0``) fit them as
@@ -99,7 +99,7 @@ from flexcomm.cost.model import (
 DEFAULT_PRIOR = LinkParams.from_bandwidth(1e-4, 1e9)
 STATE_VERSION = 1
 #: The prior's worth in samples at the start (see the module docstring).
-PRIOR_WEIGHT = 0.01
+PRIOR_WEIGHT = 1.0
 #: Below this ratio of the sample matrix's eigenvalues (smaller / larger) the samples are
 #: treated as one message size.  Measured on the prior's scale: two sizes 2x apart give
 #: ~4e-3, sizes spread over 128 KiB-64 MiB ~1.3e-3; one size after probes at two sizes

@@ -34,6 +34,7 @@ from flexcomm.cost import (
     probe_size,
     probe_time,
 )
+from flexcomm.cost.estimator import FLOOR
 from flexcomm.cost.model import ALGORITHMS, GLOO_ALGORITHMS, ceil_log2
 
 LINK = LinkParams(alpha=1e-3, beta=1e-9)  # 1 ms, 1 ns/byte
@@ -237,18 +238,48 @@ def test_estimator_follows_step_change_in_beta():
     assert not hits[9], "should not jump to the new regime after 10 samples"
 
 
-def test_estimator_constrains_to_nonnegative():
+def test_estimator_constrains_to_its_floor():
     rng = random.Random(5)
-    # times that shrink with size: unconstrained beta < 0 -> beta = 0, alpha > 0
+    # times that shrink with size: unconstrained beta < 0 -> beta at its floor, alpha > 0
     shrinking = AlphaBetaEstimator("allreduce")
-    # times with a negative intercept: unconstrained alpha < 0 -> alpha = 0, beta > 0
+    # times with a negative intercept: unconstrained alpha < 0 -> alpha at its floor, beta > 0
     offset = AlphaBetaEstimator("allreduce")
     for _ in range(400):
         small, large = int(2 ** rng.uniform(10, 26)), int(2 ** rng.uniform(17, 26))
         shrinking.observe(small, 2, 2e-3 - small * 2e-11)  # >= 0.66 ms up to 64 MiB
         offset.observe(large, 2, large * 1e-8 - 1e-4)  # >= 1.2 ms from 128 KiB
-    assert shrinking.params.beta == 0.0 and shrinking.params.alpha > 0.0
-    assert offset.params.alpha == 0.0 and offset.params.beta > 0.0
+    assert shrinking.params.beta == pytest.approx(FLOOR * DEFAULT_PRIOR.beta, rel=1e-12)
+    assert shrinking.params.alpha > 100 * FLOOR * DEFAULT_PRIOR.alpha
+    assert offset.params.alpha == pytest.approx(FLOOR * DEFAULT_PRIOR.alpha, rel=1e-12)
+    assert offset.params.beta > 100 * FLOOR * DEFAULT_PRIOR.beta
+    # More bytes never cost less, even where the samples say so.
+    assert shrinking.predict(1 << 26, 2) > shrinking.predict(1 << 10, 2)
+
+
+def test_a_noisy_fast_probe_still_charges_bytes():
+    # The larger message timed faster (on loopback a busy host can delay the small one more than
+    # the bytes cost): the fit puts beta at its floor, not at 0, so half the bytes (dense16) are
+    # rated cheaper than all of them.
+    est = CostEstimator(forgetting=0.9)
+    est.observe_all([Observation(kind, nbytes, 2, seconds) for nbytes, seconds in ((65536, 3e-4), (1 << 20, 1e-4))
+                     for kind in KINDS])
+    dense = 669_706 * 4
+    assert collective_time("allreduce", dense // 2, 2, est.params) < collective_time("allreduce", dense, 2, est.params)
+
+
+@pytest.mark.parametrize(("rate_bps", "within"), [(20e6, 0.03), (100e6, 0.03), (1e9, 0.03), (10e9, 0.3)])
+def test_a_probe_s_two_sizes_fit_a_link_far_from_the_prior(rate_bps, within):
+    # Exact alpha-beta times of the start-up probe's sizes: the fit predicts the demo MLP's dense
+    # allreduce (2.7 MB, 2 ranks) within a few percent.  Worth a whole sample, the prior (1 Gbit/s)
+    # pulled it to 0.64x at 20 Mbit/s and 0.68x at 100 Mbit/s, and to 4.4x at 10 Gbit/s, where the
+    # probe's messages are mostly latency and the prior still weighs.
+    truth = CostParams.uniform(LinkParams.from_bandwidth(2e-4, rate_bps))
+    est = CostEstimator(forgetting=0.9)
+    est.observe_all([Observation(kind, nbytes, 2, collective_time(kind, nbytes, 2, truth))
+                     for nbytes in (65536, 1 << 20) for kind in KINDS])
+    dense = 669_706 * 4
+    predicted = collective_time("allreduce", dense, 2, est.params)
+    assert predicted == pytest.approx(allreduce_time(dense, 2, truth.allreduce), rel=within)
 
 
 @pytest.mark.parametrize("speedup", [0.05, 0.2, 5.0])

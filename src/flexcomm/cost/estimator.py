@@ -16,7 +16,7 @@ features stay in [0, 1] whatever the message size.
 
 Forgetting.  With factor ``lam`` the estimate after ``n`` samples minimises
 
-    sum_i lam^(n-i) (y_i - x_i . theta)^2  +  p_n ||theta - (1, 1)||^2,   theta = (u, v) >= 0,
+    sum_i lam^(n-i) (y_i - x_i . theta)^2  +  p_n ||theta - (1, 1)||^2,   theta = (u, v) >= f (1, 1),
 
 i.e. recursive least squares with exponential forgetting.  The sums ``S = sum w x x^T`` and
 ``r = sum w x y`` are kept (5 floats); each sample multiplies them by ``lam`` and adds its
@@ -24,28 +24,34 @@ own term, so a sample's weight halves every ``ln 2 / -ln lam`` samples (23 at 0.
 The prior term ``p_n = max(lam^n p_0, p_floor)`` (the prior is worth ``p_0`` samples at the
 start) settles ``theta`` before any sample exists, fades like the data, and its tiny floor keeps
 the 2x2 system solvable when only one message size is ever observed.  ``p_0`` is
-:data:`PRIOR_WEIGHT`, one sample.  The prior is a ridge towards ``(1, 1)``, i.e. 1 Gbit/s, and a
-slow link sits far from it (``v`` ~ 10 at 100 Mbit/s): it pulls the start-up probe's fit there to
-about half the dense allreduce's time (``benchmarks/probe_cost.py --rounds 8``, median error of the
-MLP's dense allreduce predicted from one probe: 5% / 50% / 49% at 1 Gbit/s / 100 / 20 Mbit/s; at a
-hundredth of a sample 14% / 19% / 9%).  Not lowered: with a weak prior a noisy probe on a fast link
-can fit ``beta = 0`` (bytes free), and ``flex`` on loopback then rated dense16 no cheaper than dense
-in 2 of 12 runs of ``test_flex_dense16_is_the_fp16_average_widened`` (0 of 12 at one sample).  The
-per-pair calibration of measured over modelled times corrects the chooser's times once pairs run.
+:data:`PRIOR_WEIGHT`, a hundredth of a sample.  The prior is a ridge towards ``(1, 1)``, i.e.
+1 Gbit/s, and a slow link sits far from it (``v`` ~ 10 at 100 Mbit/s): worth a whole sample it
+pulled the start-up probe's fit there to about half the dense allreduce's time
+(``benchmarks/probe_cost.py --rounds 8``, median error of the MLP's dense allreduce predicted from
+one probe: 5% / 50% / 49% at 1 Gbit/s / 100 / 20 Mbit/s; 14% / 19% / 9% at a hundredth).
+
+Floor.  Neither parameter falls below :data:`FLOOR` times the prior's (``f`` above; 0.1 us and
+1 Tbit/s).  So weak a prior lets a noisy probe on a fast link fit ``beta = 0`` (bytes free):
+``flex`` on loopback then rated dense16 no cheaper than dense, in 2 of 12 runs of
+``test_flex_dense16_is_the_fp16_average_widened`` before the floor.  A floor far below any
+link keeps the order of sizes (more bytes never cost less) without pulling a fit anywhere.
+The per-pair calibration of measured over modelled times corrects the chooser's times once
+pairs run.
 
 One message size.  Samples of a single size pin only ``x . theta = y``: any point of that
-line fits them, and the faces of the constraint (``alpha = 0`` or ``beta = 0``) fit them as
-well as any other -- an estimate that collapses to ``beta = 0`` then predicts a 100x larger
-message to cost the same.  So when the weighted samples do not tell the two parameters apart
+line fits them, and the faces of the constraint (``alpha`` or ``beta`` at its floor) fit them
+as well as any other -- an estimate that collapses to the ``beta`` floor then predicts a 100x
+larger message to cost about the same.  So when the weighted samples do not tell the two parameters apart
 (the smaller eigenvalue of ``S`` under ``IDENTIFIED_RATIO`` times the larger one), a ridge
 ``q ||P theta||^2`` pulls ``theta`` towards the prior's direction ``(1, 1)``
 (``P = I - (1, 1)(1, 1)^T / 2``): one size scales ``alpha`` and ``beta`` by the same factor
-instead of zeroing one.  ``q = PERPENDICULAR_RIDGE * trace(S) * (1 - ratio / IDENTIFIED_RATIO)``
+instead of flooring one.  ``q = PERPENDICULAR_RIDGE * trace(S) * (1 - ratio / IDENTIFIED_RATIO)``
 fades to 0 as a second size makes the fit well posed, so it never biases an identified fit.
 
-Constraint.  ``theta >= 0`` is solved exactly (two-variable non-negative least squares:
-the unconstrained solution if feasible, else the better of the two one-variable fits on
-the faces ``u = 0`` and ``v = 0``), not by clipping.
+Constraint.  ``theta >= f (1, 1)`` is solved exactly (with ``theta = f (1, 1) + phi``, a
+two-variable non-negative least squares in ``phi``: the unconstrained solution if feasible,
+else the better of the two one-variable fits on the faces ``phi_u = 0`` and ``phi_v = 0``), not
+by clipping.
 
 Regime shifts.  Forgetting follows a link that changed only as fast as new samples of each
 kind come in, and a kind the plan does not use gets none: after a drop from 1 Gbit/s to
@@ -99,7 +105,9 @@ from flexcomm.cost.model import (
 DEFAULT_PRIOR = LinkParams.from_bandwidth(1e-4, 1e9)
 STATE_VERSION = 1
 #: The prior's worth in samples at the start (see the module docstring).
-PRIOR_WEIGHT = 1.0
+PRIOR_WEIGHT = 0.01
+#: Neither alpha nor beta is fitted below this fraction of the prior's (see "Floor").
+FLOOR = 1e-3
 #: Below this ratio of the sample matrix's eigenvalues (smaller / larger) the samples are
 #: treated as one message size.  Measured on the prior's scale: two sizes 2x apart give
 #: ~4e-3, sizes spread over 128 KiB-64 MiB ~1.3e-3; one size after probes at two sizes
@@ -194,7 +202,7 @@ class AlphaBetaEstimator:
 
     @property
     def params(self) -> LinkParams:
-        """Current estimate of ``(alpha, beta)``, both >= 0."""
+        """Current estimate of ``(alpha, beta)``, each at least ``FLOOR`` times the prior's."""
         u, v = self._solve()
         return LinkParams(u * self.prior.alpha, v * self.prior.beta)
 
@@ -233,22 +241,24 @@ class AlphaBetaEstimator:
         return self._s[0] + p + 0.5 * q, self._s[1] - 0.5 * q, self._s[2] + p + 0.5 * q, p
 
     def _solve(self) -> tuple[float, float]:
-        """Minimise ``theta^T M theta - 2 c^T theta`` over ``theta >= 0`` (``M`` is positive definite)."""
+        """Minimise ``theta^T M theta - 2 c^T theta`` over ``theta >= FLOOR (1, 1)`` (``M`` is positive
+        definite), as a non-negative least squares in ``phi = theta - FLOOR (1, 1)``."""
         muu, muv, mvv, p = self._system()
-        cu, cv = self._r[0] + p, self._r[1] + p
+        cu = self._r[0] + p - FLOOR * (muu + muv)
+        cv = self._r[1] + p - FLOOR * (muv + mvv)
         det = muu * mvv - muv * muv
         u = (mvv * cu - muv * cv) / det
         v = (muu * cv - muv * cu) / det
-        if u >= 0.0 and v >= 0.0:
-            return u, v
-        on_v0 = (max(0.0, cu / muu), 0.0)
-        on_u0 = (0.0, max(0.0, cv / mvv))
+        if not (u >= 0.0 and v >= 0.0):
+            on_v0 = (max(0.0, cu / muu), 0.0)
+            on_u0 = (0.0, max(0.0, cv / mvv))
 
-        def objective(theta: tuple[float, float]) -> float:
-            tu, tv = theta
-            return muu * tu * tu + 2.0 * muv * tu * tv + mvv * tv * tv - 2.0 * (cu * tu + cv * tv)
+            def objective(phi: tuple[float, float]) -> float:
+                fu, fv = phi
+                return muu * fu * fu + 2.0 * muv * fu * fv + mvv * fv * fv - 2.0 * (cu * fu + cv * fv)
 
-        return on_v0 if objective(on_v0) <= objective(on_u0) else on_u0
+            u, v = on_v0 if objective(on_v0) <= objective(on_u0) else on_u0
+        return FLOOR + u, FLOOR + v
 
     def _perpendicular_ridge(self) -> float:
         """``q`` of the module docstring: > 0 only while the samples look like one message size."""

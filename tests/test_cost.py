@@ -34,7 +34,7 @@ from flexcomm.cost import (
     probe_size,
     probe_time,
 )
-from flexcomm.cost.estimator import FLOOR
+from flexcomm.cost.link_fit import FLOOR
 from flexcomm.cost.model import ALGORITHMS, GLOO_ALGORITHMS, ceil_log2
 
 LINK = LinkParams(alpha=1e-3, beta=1e-9)  # 1 ms, 1 ns/byte

@@ -1,12 +1,7 @@
 """Alpha-beta cost model of the exchanges and online estimation of alpha, beta."""
 
-from flexcomm.cost.estimator import (
-    DEFAULT_PRIOR,
-    AlphaBetaEstimator,
-    CostEstimator,
-    Observation,
-    merge_observations,
-)
+from flexcomm.cost.estimator import CostEstimator, Observation, merge_observations
+from flexcomm.cost.link_fit import DEFAULT_PRIOR, AlphaBetaEstimator
 from flexcomm.cost.model import (
     DENSE_EXCHANGES,
     EXCHANGES,

@@ -4,7 +4,7 @@ A point-to-point message of ``m`` bytes costs ``alpha + m * beta`` (latency ``al
 seconds, inverse bandwidth ``beta`` in seconds per byte).  Every collective below is
 written as ``t = a(N) * alpha + b(N, m) * beta``: :func:`collective_coefficients` returns
 ``(a, b)``, so the same coefficients serve prediction (here) and least-squares fitting
-(:mod:`flexcomm.cost.estimator`).  Formulas after Thakur, Rabenseifner & Gropp,
+(:mod:`flexcomm.cost.estimator`, :mod:`flexcomm.cost.link_fit`).  Formulas after Thakur, Rabenseifner & Gropp,
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005);
 ``m`` is the message size in bytes, ``N`` the number of ranks, ``L = ceil(log2 N)``:
 

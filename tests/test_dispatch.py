@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flexcomm
-from flexcomm.comm import Dispatcher
+from flexcomm.comm import Dispatcher, dispatch
 from flexcomm.compress import k_for, unpack_all
 from delays import SlowBackward
 from multiproc import run_world
@@ -357,7 +357,7 @@ def report() -> None:  # registered before flexcomm's hook, so it runs after it 
 
 atexit.register(report)
 import torch
-from flexcomm.comm import Dispatcher
+from flexcomm.comm import Dispatcher, dispatch
 
 def task() -> torch.futures.Future:
     done = torch.futures.Future()
@@ -401,3 +401,32 @@ def test_exit_waits_a_bounded_time_for_a_task_that_never_returns() -> None:
     done = subprocess.run([sys.executable, "-c", EXITS_WITH_A_STUCK_TASK], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gave up; worker still in its task: True"
+
+
+def test_deferred_halves_run_in_order_and_a_failed_one_does_not_strand_the_rest() -> None:
+    deferred, ran = dispatch.Deferred(), []
+
+    def failing() -> None:
+        ran.append("b")
+        raise ValueError("half b failed")
+
+    deferred.defer(lambda: ran.append("a"))
+    deferred.defer(failing)
+    deferred.defer(lambda: ran.append("c"))
+    halves = deferred.take()
+    assert deferred.take() == []
+    with pytest.raises(ValueError, match="half b failed"):
+        dispatch.run_halves(halves)
+    assert ran == ["a", "b", "c"]  # c's bucket still completes: its future must not wait forever
+
+
+def test_forward_to_completes_the_result_with_the_value_or_the_error() -> None:
+    ok, failed = torch.futures.Future(), torch.futures.Future()
+    source_ok, source_failed = torch.futures.Future(), torch.futures.Future()
+    source_ok.add_done_callback(dispatch.forward_to(ok))
+    source_failed.add_done_callback(dispatch.forward_to(failed))
+    source_ok.set_result(torch.ones(2))
+    source_failed.set_exception(RuntimeError("collective failed"))
+    assert torch.equal(ok.wait(), torch.ones(2))
+    with pytest.raises(RuntimeError, match="collective failed"):
+        failed.wait()

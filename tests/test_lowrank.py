@@ -229,6 +229,40 @@ def test_many_buckets_with_random_delays_agree_on_every_rank() -> None:
             assert torch.equal(results[r]["updates"][step], results[0]["updates"][step])
 
 
+ORDER_SHAPES = [(40, 24), (36, 20), (28, 16)]  # every factor of another size: a collective's size names it
+
+
+def _issue_order(rank: int, world: int, steps: int) -> list[int]:
+    sizes = []
+    original = dist.all_reduce
+
+    def logged(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = logged
+    model = Injector(ORDER_SHAPES)
+    ddp = DDP(model, bucket_cap_mb=28 * 16 * 4 / 2**20)  # one parameter per bucket after the rebuild
+    flexcomm.register(ddp, compressor="lowrank", rank=2)
+    for step in range(steps):
+        ddp.zero_grad(set_to_none=True)
+        ddp(gradients(rank, step, ORDER_SHAPES)).backward()
+    return sizes
+
+
+def test_a_bucket_s_second_allreduce_waits_for_the_next_bucket_s_first() -> None:
+    # The P allreduce's round trip overlaps the next bucket: bucket b's Q allreduce goes out
+    # right after bucket b + 1's P allreduce, the last bucket's right after its own.  Buckets
+    # arrive in reverse parameter order; P is n x 2, Q is m x 2.
+    p_size = {i: n * 2 for i, (n, _) in enumerate(ORDER_SHAPES)}
+    q_size = {i: m * 2 for i, (_, m) in enumerate(ORDER_SHAPES)}
+    b0, b1, b2 = 2, 1, 0
+    expected = [p_size[b0], p_size[b1], q_size[b0], p_size[b2], q_size[b1], q_size[b2]]
+    for sizes in run_world(_issue_order, 2, 3):
+        factors = [s for s in sizes if s in set(expected)]
+        assert factors[-6:] == expected
+
+
 def _dtypes(rank: int, world: int) -> dict:
     out = {}
     for dtype in (torch.float64, torch.bfloat16):

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from flexcomm.comm import exchange_context, future_devices, own_group
+from flexcomm.comm import exchange_context, future_devices, own_group, run_halves
 from flexcomm.exchange import EXCHANGES
 from flexcomm.state import FlexState, HandedBucket
 
@@ -110,8 +110,13 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 def _exchange(state: FlexState, handed: HandedBucket) -> torch.futures.Future[torch.Tensor]:
     """On the dispatcher thread, in bucket order: the step protocol, then the bucket's exchange."""
     with exchange_context(handed.grad.device, handed.ready, state.streams):
+        earlier = state.deferred.take()
         job = state.prepare(handed)
-        return EXCHANGES[job.record.exchange](job)
+        issued = EXCHANGES[job.record.exchange](job)
+        # The earlier buckets' second halves go after this bucket's first collectives; the step's
+        # last bucket runs its own too (see flexcomm.comm.dispatch, "Second halves").
+        run_halves(earlier + state.deferred.take() if handed.closes_step else earlier)
+        return issued
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -14,6 +14,14 @@ collectives -- waiting, on this thread, for a result the next collective needs, 
 AR-Topk's broadcast indices -- before the next task starts.  So every rank issues the
 same collectives in the same order, and backward never waits for the network.
 
+Second halves.  An exchange whose second collective needs its first one's result (the
+low-rank exchange's ``P`` before its ``Q``) would hold this thread for a round trip, and
+every later bucket behind it.  It defers its second half instead (:class:`Deferred`): the
+hook runs it right after the *next* bucket's collectives were issued, and a step's last
+bucket runs every deferred half, its own last.  The collectives then go out as ``F_0, F_1,
+S_0, F_2, S_1, ...`` on every rank: the order follows from the bucket order alone, never
+from which collective finished first.
+
 Errors: an exception of a task, or of the future it returns, completes that bucket's
 future with the exception (DDP re-raises it from backward).  After the first error every
 later task fails at once with a message naming it: the ranks are out of step from there
@@ -38,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 Task = Callable[[], torch.futures.Future]
+Half = Callable[[], None]
 
 # How long an idle worker waits for the next task before it ends.  Longer than the gaps
 # that should not cost a thread start -- between the buckets of one backward
@@ -150,6 +159,52 @@ class Dispatcher:
         if self.failure is None:
             self.failure = err
         result.set_exception(err)
+
+
+class Deferred:
+    """The second halves deferred by a step's exchanges, in bucket order (see the module docstring).
+
+    Each half issues its exchange's remaining collectives and completes its bucket's future,
+    with the half's exception if it raises.
+    """
+
+    def __init__(self) -> None:
+        self._halves: list[Half] = []
+
+    def defer(self, half: Half) -> None:
+        self._halves.append(half)
+
+    def take(self) -> list[Half]:
+        """The halves deferred so far, oldest first; none are left."""
+        halves, self._halves = self._halves, []
+        return halves
+
+
+def run_halves(halves: list[Half]) -> None:
+    """Run every half in order, then raise the first one's error: a failed half has failed its own bucket,
+    and the ranks are out of step from there on, but the later halves' buckets must not wait forever."""
+    failure: BaseException | None = None
+    for half in halves:
+        try:
+            half()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others ran
+            failure = failure or err
+    if failure is not None:
+        raise failure
+
+
+def forward_to(result: torch.futures.Future) -> Callable[[torch.futures.Future], None]:
+    """A done-callback that completes ``result`` with the finished future's value or error."""
+
+    def forward(issued: torch.futures.Future) -> None:
+        try:
+            value = issued.value()
+        except BaseException as err:  # noqa: BLE001 - the error goes to result
+            result.set_exception(err)
+            return
+        result.set_result(value)
+
+    return forward
 
 
 # Every dispatcher, weakly: one with a worker stays alive through the worker's reference.

@@ -148,6 +148,8 @@ class BucketJob:
     low_rank: LowRankBucket | None = None
     sample: slice | None = None
     sampled_grad: torch.Tensor | None = None
+    #: Where an exchange defers its second half (see :mod:`flexcomm.comm.dispatch`); None: run it at once.
+    defer: Callable[[Callable[[], None]], None] | None = None
 
     def selected(self) -> torch.Tensor:
         """This rank's selection of ``accumulated``: the accumulation pass's top-k, else the selector's."""

@@ -4,8 +4,10 @@ With the math of :mod:`flexcomm.compress.lowrank` (``M_i`` a compressed matrix o
 error-corrected bucket, ``Q`` its warm-start query, equal on every rank):
 
 1. ``P_i = M_i Q`` for every matrix, packed with the bucket's other parameters divided by N
-   (``rest_i / N``) into one buffer, allreduced (sum) -- the dispatcher thread waits for it,
-   so the second allreduce is issued before the next bucket's first collective on every rank;
+   (``rest_i / N``) into one buffer, allreduced (sum); the rest is the exchange's second half,
+   which the dispatcher runs after the next bucket's collectives were issued (at a step's last
+   bucket, at once), so the round trip overlaps that bucket's work and every rank issues the
+   collectives in the same order (:mod:`flexcomm.comm.dispatch`, "Second halves");
 2. each ``P`` is orthonormalized (equal on every rank); ``Q_i^T = P^T M_i``; the residual
    becomes ``M_i - P Q_i^T`` (in place: ``a_i`` is the residual's own buffer) and 0 on the
    rest, which went whole; the ``Q_i^T`` are packed and allreduced (sum), asynchronously;
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from flexcomm.comm import allreduce_sum, clock, used_on_current_stream
+from flexcomm.comm import allreduce_sum, clock, forward_to, future_devices, used_on_current_stream
 from flexcomm.compress.lowrank import factor_dtype, orthonormalize_
 from flexcomm.compress.stats import all_finite, cosine, nan_unless
 from flexcomm.exchange.job import BucketJob, Timings, report_timings
@@ -54,29 +56,45 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     rec.k = first.numel() + split.q_numel  # the update's payload; the quality sample is in the bytes only
     rec.bytes_sent = (first.numel() + second.numel()) * first.element_size()
     launched = clock.now(device)
-    allreduce_sum(first, job.group).wait()
-    reduced = clock.now(device)
-    own_qts = split.factor_views(second, "q")
-    for m, p, qt_i in zip(matrices, ps, own_qts):
-        orthonormalize_(p)
-        torch.matmul(p.t(), m, out=qt_i)  # Q_i^T = P^T M_i
-        m.addmm_(p, qt_i, alpha=-1.0)  # e_i = M_i - P Q_i^T: what this rank's projection left behind
-    job.outcome.gain = _gain(second[: split.q_numel], rest_energy, accumulation.norm)
-    issued = clock.now(device)
+    reduced_first = allreduce_sum(first, job.group)
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=future_devices(job.grad))
 
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()
-        done = clock.now(device)
-        used_on_current_stream(first)
-        update = _apply_update(job, first, second)
-        finished = clock.now(device)
-        spans = job.local_spans((started, launched), (reduced, issued), (done, finished))
-        # The second allreduce, timed from its own launch, is the clean network sample.
-        nbytes = second.numel() * second.element_size()
-        report_timings(job, Timings("allreduce", nbytes, exchange=(launched, done), network=(issued, done), compress=spans))
-        return update
+    def second_half() -> None:
+        try:
+            reduced_first.wait()
+            reduced = clock.now(device)
+            own_qts = split.factor_views(second, "q")
+            for m, p, qt_i in zip(matrices, ps, own_qts):
+                orthonormalize_(p)
+                torch.matmul(p.t(), m, out=qt_i)  # Q_i^T = P^T M_i
+                m.addmm_(p, qt_i, alpha=-1.0)  # e_i = M_i - P Q_i^T: what this rank's projection left behind
+            job.outcome.gain = _gain(second[: split.q_numel], rest_energy, accumulation.norm)
+            issued = clock.now(device)
 
-    return allreduce_sum(second, job.group).then(finish)
+            def finish(fut: torch.futures.Future) -> torch.Tensor:
+                fut.value()
+                done = clock.now(device)
+                used_on_current_stream(first)
+                update = _apply_update(job, first, second)
+                finished = clock.now(device)
+                spans = job.local_spans((started, launched), (reduced, issued), (done, finished))
+                # The second allreduce, timed from its own launch, is the clean network sample.
+                nbytes = second.numel() * second.element_size()
+                report_timings(job, Timings("allreduce", nbytes, exchange=(launched, done), network=(issued, done),
+                                            compress=spans))
+                return update
+
+            allreduce_sum(second, job.group).then(finish).add_done_callback(forward_to(result))
+        except BaseException as err:
+            result.set_exception(err)
+            raise
+
+    # The first allreduce's round trip overlaps the next bucket's work and collectives.
+    if job.defer is None:
+        second_half()
+    else:
+        job.defer(second_half)
+    return result
 
 
 def _pack_rest(out: torch.Tensor, rest: list[torch.Tensor], world_size: int) -> torch.Tensor:

@@ -410,14 +410,22 @@ def test_deferred_halves_run_in_order_and_a_failed_one_does_not_strand_the_rest(
         ran.append("b")
         raise ValueError("half b failed")
 
-    deferred.defer(lambda: ran.append("a"))
-    deferred.defer(failing)
-    deferred.defer(lambda: ran.append("c"))
+    for half in (lambda: ran.append("a"), failing, lambda: ran.append("c")):
+        deferred.defer(half, torch.futures.Future())
     halves = deferred.take()
     assert deferred.take() == []
     with pytest.raises(ValueError, match="half b failed"):
         dispatch.run_halves(halves)
     assert ran == ["a", "b", "c"]  # c's bucket still completes: its future must not wait forever
+
+
+def test_halves_that_will_not_run_fail_their_buckets() -> None:
+    done, pending = torch.futures.Future(), torch.futures.Future()
+    done.set_result(torch.zeros(1))
+    dispatch.fail_halves([(lambda: None, done), (lambda: None, pending)], ValueError("bucket 3 failed"))
+    assert torch.equal(done.wait(), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="a later bucket's exchange failed before this one finished: ValueError"):
+        pending.wait()
 
 
 def test_forward_to_completes_the_result_with_the_value_or_the_error() -> None:

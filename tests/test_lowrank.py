@@ -8,6 +8,7 @@ reference simulates every rank: ``P = orth(sum_i M_i Q)``, ``Q_i = M_i^T P``, up
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -261,6 +262,40 @@ def test_a_bucket_s_second_allreduce_waits_for_the_next_bucket_s_first() -> None
     for sizes in run_world(_issue_order, 2, 3):
         factors = [s for s in sizes if s in set(expected)]
         assert factors[-6:] == expected
+
+
+def _later_bucket_fails(rank: int, world: int) -> str:
+    model = Injector(ORDER_SHAPES)
+    ddp = DDP(model, bucket_cap_mb=28 * 16 * 4 / 2**20)  # one parameter per bucket after the rebuild
+    state = flexcomm.register(ddp, compressor="lowrank", rank=2)
+    for step in range(2):  # DDP rebuilds its buckets after the first step
+        ddp.zero_grad(set_to_none=True)
+        ddp(gradients(rank, step, ORDER_SHAPES)).backward()
+    prepare = state.prepare
+
+    def failing_at_the_last_bucket(handed):
+        if handed.closes_step:
+            raise RuntimeError("the last bucket's exchange failed")
+        return prepare(handed)
+
+    state.prepare = failing_at_the_last_bucket  # type: ignore[method-assign]
+    ddp.zero_grad(set_to_none=True)
+    outcome = ["backward still waiting after 20 s"]
+
+    def train_step() -> None:
+        outcome[0] = raised(lambda: ddp(gradients(rank, 2, ORDER_SHAPES)).backward())
+
+    step = threading.Thread(target=train_step, daemon=True)  # a stranded bucket would block it for good
+    step.start()
+    step.join(20)
+    return outcome[0]
+
+
+def test_a_failed_bucket_fails_the_step_instead_of_stranding_an_earlier_bucket_s_half() -> None:
+    # Buckets 0 and 1 deferred their second halves; bucket 2 fails before running them.  Their
+    # futures must fail too: DDP waits for every bucket, and would wait forever.
+    for message in run_world(_later_bucket_fails, 2, timeout_s=30, sync_exit=False):
+        assert "exchange failed" in message
 
 
 def _dtypes(rank: int, world: int) -> dict:

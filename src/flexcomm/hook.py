@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from flexcomm.comm import exchange_context, future_devices, own_group, run_halves
+from flexcomm.comm import exchange_context, fail_halves, future_devices, own_group, run_halves
 from flexcomm.exchange import EXCHANGES
 from flexcomm.state import FlexState, HandedBucket
 
@@ -111,8 +111,12 @@ def _exchange(state: FlexState, handed: HandedBucket) -> torch.futures.Future[to
     """On the dispatcher thread, in bucket order: the step protocol, then the bucket's exchange."""
     with exchange_context(handed.grad.device, handed.ready, state.streams):
         earlier = state.deferred.take()
-        job = state.prepare(handed)
-        issued = EXCHANGES[job.record.exchange](job)
+        try:
+            job = state.prepare(handed)
+            issued = EXCHANGES[job.record.exchange](job)
+        except BaseException as err:
+            fail_halves(earlier + state.deferred.take(), err)
+            raise
         # The earlier buckets' second halves go after this bucket's first collectives; the step's
         # last bucket runs its own too (see flexcomm.comm.dispatch, "Second halves").
         run_halves(earlier + state.deferred.take() if handed.closes_step else earlier)

@@ -164,33 +164,41 @@ class Dispatcher:
 class Deferred:
     """The second halves deferred by a step's exchanges, in bucket order (see the module docstring).
 
-    Each half issues its exchange's remaining collectives and completes its bucket's future,
-    with the half's exception if it raises.
+    Each half comes with its bucket's future: the half completes it (with the half's exception if
+    it raises), and :func:`fail_halves` fails it where the half will never run.
     """
 
     def __init__(self) -> None:
-        self._halves: list[Half] = []
+        self._halves: list[tuple[Half, torch.futures.Future]] = []
 
-    def defer(self, half: Half) -> None:
-        self._halves.append(half)
+    def defer(self, half: Half, result: torch.futures.Future) -> None:
+        self._halves.append((half, result))
 
-    def take(self) -> list[Half]:
+    def take(self) -> list[tuple[Half, torch.futures.Future]]:
         """The halves deferred so far, oldest first; none are left."""
         halves, self._halves = self._halves, []
         return halves
 
 
-def run_halves(halves: list[Half]) -> None:
+def run_halves(halves: list[tuple[Half, torch.futures.Future]]) -> None:
     """Run every half in order, then raise the first one's error: a failed half has failed its own bucket,
     and the ranks are out of step from there on, but the later halves' buckets must not wait forever."""
     failure: BaseException | None = None
-    for half in halves:
+    for half, _ in halves:
         try:
             half()
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the others ran
             failure = failure or err
     if failure is not None:
         raise failure
+
+
+def fail_halves(halves: list[tuple[Half, torch.futures.Future]], err: BaseException) -> None:
+    """Fail the buckets of halves that will not run (a later bucket's exchange failed: the ranks are out of
+    step, and a half's collective would only wait for its timeout), so that DDP raises instead of waiting."""
+    for _, result in halves:
+        if not result.done():
+            result.set_exception(RuntimeError(f"flexcomm: a later bucket's exchange failed before this one finished: {err!r}"))
 
 
 def forward_to(result: torch.futures.Future) -> Callable[[torch.futures.Future], None]:

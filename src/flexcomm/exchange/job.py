@@ -149,7 +149,7 @@ class BucketJob:
     sample: slice | None = None
     sampled_grad: torch.Tensor | None = None
     #: Where an exchange defers its second half (see :mod:`flexcomm.comm.dispatch`); None: run it at once.
-    defer: Callable[[Callable[[], None]], None] | None = None
+    defer: Callable[[Callable[[], None], torch.futures.Future], None] | None = None
 
     def selected(self) -> torch.Tensor:
         """This rank's selection of ``accumulated``: the accumulation pass's top-k, else the selector's."""

@@ -93,7 +93,7 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
     if job.defer is None:
         second_half()
     else:
-        job.defer(second_half)
+        job.defer(second_half, result)
     return result
 
 

@@ -438,3 +438,32 @@ def test_forward_to_completes_the_result_with_the_value_or_the_error() -> None:
     assert torch.equal(ok.wait(), torch.ones(2))
     with pytest.raises(RuntimeError, match="collective failed"):
         failed.wait()
+
+
+def test_a_failure_between_tasks_fails_the_halves_deferred_before_it() -> None:
+    # A bucket deferred its second half; an earlier collective then fails asynchronously, so the
+    # next bucket's task is skipped and never runs that half: its bucket must fail, not wait.
+    dispatcher = Dispatcher()
+    half_result: torch.futures.Future = torch.futures.Future()
+    pending: torch.futures.Future = torch.futures.Future()
+    deferred = threading.Event()
+
+    def defers() -> torch.futures.Future:
+        dispatcher.deferred.defer(lambda: None, half_result)
+        deferred.set()
+        return pending
+
+    first = dispatcher.submit(defers)
+    assert deferred.wait(60)
+    pending.set_exception(RuntimeError("peer died"))
+    with pytest.raises(RuntimeError, match="peer died"):
+        first.wait()
+    skipped = dispatcher.submit(lambda: pending)
+    with pytest.raises(RuntimeError, match="an earlier exchange failed"):
+        skipped.wait()
+    deadline = time.monotonic() + 60
+    while not half_result.done():
+        assert time.monotonic() < deadline, "the deferred half's bucket was left waiting"
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="a later bucket's exchange failed before this one finished"):
+        half_result.wait()

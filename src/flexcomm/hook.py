@@ -110,16 +110,17 @@ def hook(state: FlexState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 def _exchange(state: FlexState, handed: HandedBucket) -> torch.futures.Future[torch.Tensor]:
     """On the dispatcher thread, in bucket order: the step protocol, then the bucket's exchange."""
     with exchange_context(handed.grad.device, handed.ready, state.streams):
-        earlier = state.deferred.take()
+        deferred = state.dispatcher.deferred
+        earlier = deferred.take()
         try:
             job = state.prepare(handed)
             issued = EXCHANGES[job.record.exchange](job)
         except BaseException as err:
-            fail_halves(earlier + state.deferred.take(), err)
+            fail_halves(earlier + deferred.take(), err)
             raise
         # The earlier buckets' second halves go after this bucket's first collectives; the step's
         # last bucket runs its own too (see flexcomm.comm.dispatch, "Second halves").
-        run_halves(earlier + state.deferred.take() if handed.closes_step else earlier)
+        run_halves(earlier + deferred.take() if handed.closes_step else earlier)
         return issued
 
 

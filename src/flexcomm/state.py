@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from flexcomm import elastic, telemetry
-from flexcomm.comm import Deferred, Dispatcher, ExchangeStreams, agree_on_config, clock, exchange_context, mark_ready
+from flexcomm.comm import Dispatcher, ExchangeStreams, agree_on_config, clock, exchange_context, mark_ready
 from flexcomm.comm.clock import Mark
 from flexcomm.compress import Layout, ResidualMemory, TopkWorkspace, check_index_range, k_for, make_selector
 from flexcomm.compress.fused import Accumulation
@@ -139,8 +139,6 @@ class FlexState:
         self._low_rank_possible = self._low_rank_choice or roles.exchange == "lowrank"
         self.records: deque[BucketRecord] = deque(maxlen=max_records)
         self.dispatcher = Dispatcher()
-        #: Exchanges' second halves waiting for the next bucket's collectives (dispatcher thread only).
-        self.deferred = Deferred()
         self.streams = ExchangeStreams()
         self._workspaces: dict[int, TopkWorkspace] = {}
         self._in_step = False
@@ -345,7 +343,7 @@ class FlexState:
             group=self.process_group, world_size=self.world_size, rank=self.rank, memory=self.memory, workspace=workspace,
             record=record, outcome=outcome, measured=self.settlement.measured, selector=self.selector, leaders=self.leaders,
             accumulation=accumulation, accumulation_span=span, leader=leader, low_rank=low_rank,
-            sample=sample, sampled_grad=sampled_grad, defer=self.deferred.defer,
+            sample=sample, sampled_grad=sampled_grad, defer=self.dispatcher.deferred.defer,
         )
 
     def _factor_size(self, handed: HandedBucket) -> tuple[int, int] | None:

@@ -16,8 +16,8 @@ same collectives in the same order, and backward never waits for the network.
 
 Second halves.  An exchange whose second collective needs its first one's result (the
 low-rank exchange's ``P`` before its ``Q``) would hold this thread for a round trip, and
-every later bucket behind it.  It defers its second half instead (:class:`Deferred`): the
-hook runs it right after the *next* bucket's collectives were issued, and a step's last
+every later bucket behind it.  It defers its second half instead (to the dispatcher's
+:class:`Deferred`): the hook runs it right after the *next* bucket's collectives were issued, and a step's last
 bucket runs every deferred half, its own last.  The collectives then go out as ``F_0, F_1,
 S_0, F_2, S_1, ...`` on every rank: the order follows from the bucket order alone, never
 from which collective finished first.
@@ -79,6 +79,8 @@ class Dispatcher:
         self._closed = False
         self._reset_worker()
         self.failure: BaseException | None = None
+        #: The exchanges' deferred second halves (used on the worker thread only).
+        self.deferred = Deferred()
         _LIVE.add(self)
 
     def _reset_worker(self) -> None:
@@ -137,6 +139,9 @@ class Dispatcher:
             return False
         task, result = queued
         if self.failure is not None:
+            # A failure that came in between tasks (an asynchronous collective's) leaves the halves
+            # deferred before it unrun: their buckets fail too, or DDP would wait for them.
+            fail_halves(self.deferred.take(), self.failure)
             result.set_exception(RuntimeError(f"flexcomm: an earlier exchange failed, so this one was not started: {self.failure!r}"))
             return True
         try:

@@ -461,9 +461,35 @@ def test_a_failure_between_tasks_fails_the_halves_deferred_before_it() -> None:
     skipped = dispatcher.submit(lambda: pending)
     with pytest.raises(RuntimeError, match="an earlier exchange failed"):
         skipped.wait()
-    deadline = time.monotonic() + 60
-    while not half_result.done():
+    _assert_failed_soon(half_result, "a later bucket's exchange failed before this one finished")
+
+
+def test_a_task_that_fails_before_taking_the_deferred_halves_fails_their_buckets() -> None:
+    # The next bucket's task raises before the hook took the earlier halves (e.g. entering its CUDA
+    # exchange context): no later task may come (it was the step's last bucket), so they fail now.
+    dispatcher = Dispatcher()
+    half_result: torch.futures.Future = torch.futures.Future()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(torch.zeros(1))
+
+    def defers() -> torch.futures.Future:
+        dispatcher.deferred.defer(lambda: None, half_result)
+        return done
+
+    def raises() -> torch.futures.Future:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    dispatcher.submit(defers).wait()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        dispatcher.submit(raises).wait()
+    _assert_failed_soon(half_result, "a later bucket's exchange failed before this one finished")
+
+
+def _assert_failed_soon(future: torch.futures.Future, message: str, deadline_s: float = 60.0) -> None:
+    """``future`` fails with ``message``; an assertion instead of a hang if it was left waiting."""
+    deadline = time.monotonic() + deadline_s
+    while not future.done():
         assert time.monotonic() < deadline, "the deferred half's bucket was left waiting"
         time.sleep(0.01)
-    with pytest.raises(RuntimeError, match="a later bucket's exchange failed before this one finished"):
-        half_result.wait()
+    with pytest.raises(RuntimeError, match=message):
+        future.wait()

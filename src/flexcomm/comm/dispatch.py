@@ -147,6 +147,9 @@ class Dispatcher:
         try:
             issued = task()
         except BaseException as err:  # noqa: BLE001 - every error goes to the bucket's future
+            # Halves still deferred (the task failed before it took them, e.g. entering the
+            # exchange's CUDA context) will not run: their buckets fail with it.
+            fail_halves(self.deferred.take(), err)
             self._fail(err, result)
             return True
         issued.add_done_callback(lambda fut, result=result: self._forward(fut, result))

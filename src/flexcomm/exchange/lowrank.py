@@ -21,6 +21,12 @@ rank: ``4 * (sum (n + m) r + rest)``, in two collectives, plus (when the
 state asks for the update's quality) the rank's raw gradient at a shared sample of coordinates,
 divided by N, appended to the second: its sum is the mean gradient there, against which the
 update's cosine is taken (the record's ``quality``; identical on every rank).
+
+The second allreduce is the exchange's network sample.  A deferred half's second allreduce
+queues behind the next bucket's first one, which no sample reports, so its span also holds that
+transfer: where a low-rank bucket follows another, flex's service time of the earlier one is
+over-stated by the later one's first allreduce (small where that is P factors, large where the
+bucket sends big parameters whole).  Not corrected yet.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
                 fut.value()
                 done = clock.now(device)
                 used_on_current_stream(first)
+                used_on_current_stream(second)  # _apply_update reads both on the callback's stream
                 update = _apply_update(job, first, second)
                 finished = clock.now(device)
                 spans = job.local_spans((started, launched), (reduced, issued), (done, finished))

@@ -233,6 +233,16 @@ def test_many_buckets_with_random_delays_agree_on_every_rank() -> None:
 ORDER_SHAPES = [(40, 24), (36, 20), (28, 16)]  # every factor of another size: a collective's size names it
 
 
+def _three_buckets(rank: int, steps: int) -> tuple[DDP, flexcomm.FlexState]:
+    """A low-rank rank-2 DDP model of :data:`ORDER_SHAPES`, one parameter per bucket, after ``steps`` steps."""
+    ddp = DDP(Injector(ORDER_SHAPES), bucket_cap_mb=28 * 16 * 4 / 2**20)  # one parameter per bucket after the rebuild
+    state = flexcomm.register(ddp, compressor="lowrank", rank=2)
+    for step in range(steps):
+        ddp.zero_grad(set_to_none=True)
+        ddp(gradients(rank, step, ORDER_SHAPES)).backward()
+    return ddp, state
+
+
 def _issue_order(rank: int, world: int, steps: int) -> list[int]:
     sizes = []
     original = dist.all_reduce
@@ -242,12 +252,7 @@ def _issue_order(rank: int, world: int, steps: int) -> list[int]:
         return original(tensor, *args, **kwargs)
 
     dist.all_reduce = logged
-    model = Injector(ORDER_SHAPES)
-    ddp = DDP(model, bucket_cap_mb=28 * 16 * 4 / 2**20)  # one parameter per bucket after the rebuild
-    flexcomm.register(ddp, compressor="lowrank", rank=2)
-    for step in range(steps):
-        ddp.zero_grad(set_to_none=True)
-        ddp(gradients(rank, step, ORDER_SHAPES)).backward()
+    _three_buckets(rank, steps)
     return sizes
 
 
@@ -265,12 +270,7 @@ def test_a_bucket_s_second_allreduce_waits_for_the_next_bucket_s_first() -> None
 
 
 def _later_bucket_fails(rank: int, world: int) -> str:
-    model = Injector(ORDER_SHAPES)
-    ddp = DDP(model, bucket_cap_mb=28 * 16 * 4 / 2**20)  # one parameter per bucket after the rebuild
-    state = flexcomm.register(ddp, compressor="lowrank", rank=2)
-    for step in range(2):  # DDP rebuilds its buckets after the first step
-        ddp.zero_grad(set_to_none=True)
-        ddp(gradients(rank, step, ORDER_SHAPES)).backward()
+    ddp, state = _three_buckets(rank, 2)  # DDP rebuilds its buckets after the first step
     prepare = state.prepare
 
     def failing_at_the_last_bucket(handed):

@@ -116,7 +116,7 @@ def _exchange(state: FlexState, handed: HandedBucket) -> torch.futures.Future[to
             job = state.prepare(handed)
             issued = EXCHANGES[job.record.exchange](job)
         except BaseException as err:
-            fail_halves(earlier + deferred.take(), err)
+            fail_halves(earlier, err)  # the dispatcher fails the halves still deferred
             raise
         # The earlier buckets' second halves go after this bucket's first collectives; the step's
         # last bucket runs its own too (see flexcomm.comm.dispatch, "Second halves").

@@ -17,8 +17,8 @@ same collectives in the same order, and backward never waits for the network.
 Second halves.  An exchange whose second collective needs its first one's result (the
 low-rank exchange's ``P`` before its ``Q``) would hold this thread for a round trip, and
 every later bucket behind it.  It defers its second half instead (to the dispatcher's
-:class:`Deferred`): the hook runs it right after the *next* bucket's collectives were issued, and a step's last
-bucket runs every deferred half, its own last.  The collectives then go out as ``F_0, F_1,
+:class:`Deferred`): the hook runs it right after the *next* bucket's collectives were issued,
+and a step's last bucket runs every deferred half, its own last.  The collectives then go out as ``F_0, F_1,
 S_0, F_2, S_1, ...`` on every rank: the order follows from the bucket order alone, never
 from which collective finished first.
 

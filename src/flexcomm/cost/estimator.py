@@ -125,7 +125,7 @@ class CostEstimator:
         factors = dict(shifted)
         for kind in KINDS:
             beta = self.estimators[kind].params.beta
-            if kind not in newest and beta > 0.0 and ref_beta > 0.0:
+            if kind not in newest:  # every fitted beta is > 0 (the fit's floor)
                 relative = min(KIND_SPREAD, max(1.0 / KIND_SPREAD, beta / ref_beta))
                 factors[kind] = ref_beta * shifted[ref] * relative / beta
         return factors

@@ -85,7 +85,8 @@ def exchange_lowrank(job: BucketJob) -> torch.futures.Future[torch.Tensor]:
                 update = _apply_update(job, first, second)
                 finished = clock.now(device)
                 spans = job.local_spans((started, launched), (reduced, issued), (done, finished))
-                # The second allreduce, timed from its own launch, is the clean network sample.
+                # The second allreduce, timed from its own launch, is the network sample (a deferred
+                # half's also holds the next bucket's first allreduce: see the module docstring).
                 nbytes = second.numel() * second.element_size()
                 report_timings(job, Timings("allreduce", nbytes, exchange=(launched, done), network=(issued, done),
                                             compress=spans))

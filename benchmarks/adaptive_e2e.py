@@ -1,6 +1,7 @@
 """Does the adaptive engine pay for itself?  flex + density="auto" against every setting a user could pick.
 
-    python benchmarks/adaptive_e2e.py --group mlp [--seeds 1,2,3,4,5] [--also-rule tta] [--report-only] [--dry-run]
+    python benchmarks/adaptive_e2e.py --group mlp [--seeds 1,2,3,4,5] [--also-rule tta] [--bucket-cap-mb MB]
+                                      [--report-only] [--dry-run]
 
 One group is one model on 2 emulated hosts whose link changes between 1 Gbit/s and
 100 Mbit/s.  Per seed every method trains the same steps (no early stop), evaluated on the
@@ -30,6 +31,17 @@ Seeds run one after another, methods in an order rotated per seed (so the machin
 drifts over different methods in different seeds).  A finished run is reused (see
 ``runs.py``); ``--report-only`` only tabulates what is there.  Writes
 ``results/adaptive_<group>.csv`` (per run), ``adaptive_<group>.md`` and ``adaptive_<group>.png``.
+
+Buckets: every method runs with DDP's default buckets (the MLP: two) except PyTorch's PowerSGD,
+which on gloo needs one bucket holding every gradient (``flexcomm.train.baselines``).  On this
+project's 2-core host a second bucket costs a step more than its overlap saves (two ranks, each
+with a compute, a dispatch and gloo threads, on two cores).  On loopback (``flexcomm-train --model
+mlp --width 0.5 --steps 150 --net none --seed 1``, median step from step 20, 2 rounds), DDP's two
+buckets against ``--bucket-cap-mb 3``'s one: low-rank 11.9 / 11.9 against 8.9 / 8.9 ms, AG-Topk
+0.01 8.6 / 8.3 against 6.1 / 6.6, AR-Topk 0.01 10.6 / 10.4 against 7.7 / 7.4, dense 8.7 / 8.5
+against 7.1 / 7.9, fp16 8.2 / 9.3 against 7.9 / 8.7; PowerSGD (one bucket) 10.9 / 10.7.  So
+``--bucket-cap-mb`` runs the whole group with one bucket layout for every method, e.g. 3 for the
+MLP's 2.7 MB: results in ``adaptive_<group>_cap<MB>mb.*``.
 """
 
 from __future__ import annotations
@@ -77,8 +89,9 @@ GROUPS = {
 }
 
 
-def specs(group: Group, seeds: Sequence[int], other_rules: Sequence[str] = ()) -> list[Spec]:
-    """Every method per seed; ``other_rules``: flex + auto runs with ``--auto-rule`` besides the default."""
+def specs(group: Group, seeds: Sequence[int], other_rules: Sequence[str] = (), bucket_cap_mb: float | None = None) -> list[Spec]:
+    """Every method per seed; ``other_rules``: flex + auto runs with ``--auto-rule`` besides the default;
+    ``bucket_cap_mb``: every run's DDP bucket cap (None: DDP's default; PowerSGD on gloo always has one bucket)."""
     methods = [(c, d, None) for c, d in STATICS + ADAPTIVE] + [("flex", "auto", rule) for rule in other_rules]
     out = []
     for seed in seeds:
@@ -86,7 +99,7 @@ def specs(group: Group, seeds: Sequence[int], other_rules: Sequence[str] = ()) -
         for compressor, density, rule in methods[turn:] + methods[:turn]:
             out.append(Spec(group.model, compressor, density, powersgd_rank=4 if compressor == "powersgd" else None,
                             steps=group.steps, net=group.net, seed=seed, eval_every=group.eval_every,
-                            test_subset=FULL_TEST_SET, app_defaults=True, auto_rule=rule))
+                            test_subset=FULL_TEST_SET, app_defaults=True, auto_rule=rule, bucket_cap_mb=bucket_cap_mb))
     return out
 
 
@@ -96,6 +109,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default: %(default)s)")
     ap.add_argument("--also-rule", action="append", default=[], choices=RULES, metavar="RULE",
                     help="also run flex + auto with --auto-rule RULE (repeatable; tabulated beside the default)")
+    ap.add_argument("--bucket-cap-mb", type=float, metavar="MB",
+                    help="every run with DDP buckets of this many MiB (flexcomm-train --bucket-cap-mb; default: DDP's "
+                         "own; PowerSGD on gloo has one bucket either way); results go to adaptive_<group>_cap<MB>mb.*")
     ap.add_argument("--report-only", action="store_true", help="run nothing; tabulate the runs there are")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = ap.parse_args()
@@ -104,7 +120,9 @@ def main() -> None:
     except ValueError:
         ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     group = GROUPS[args.group]
-    todo = specs(group, seeds, args.also_rule)
+    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
+        ap.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb:g}")
+    todo = specs(group, seeds, args.also_rule, args.bucket_cap_mb)
     if args.dry_run:
         for s in todo:
             print(("[done] " if runs.done(s) else "") + s.pretty_command())
@@ -113,7 +131,7 @@ def main() -> None:
         runner = runs.Runner(f"adaptive {args.group}")
         runner.run_all(todo)
         print(runner.account())
-    report(args.group, [r for r in (load(s) for s in todo) if r is not None], args.also_rule)
+    report(args.group, [r for r in (load(s) for s in todo) if r is not None], args.also_rule, args.bucket_cap_mb)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -265,7 +283,8 @@ def _summary(values: list[float | None]) -> str:
     return text if len(present) == len(values) else f"{text}, reached {len(present)}/{len(values)}"
 
 
-def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> None:
+def report(name: str, loaded: list[Run], other_rules: Sequence[str] = (), bucket_cap_mb: float | None = None) -> None:
+    stem = name if bucket_cap_mb is None else f"{name}_cap{bucket_cap_mb:g}mb"
     dense = {r.spec.seed: r for r in loaded if r.spec.compressor == "dense"}
     auto_time = {r.spec.seed: sum(x["t_step"] for x in r.records) for r in loaded if method_of(r) == AUTO}
     every = GROUPS[name].final_every
@@ -273,7 +292,7 @@ def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> Non
                for seed in {r.spec.seed for r in loaded}}
     rows = [row_of(r, _target(dense.get(r.spec.seed)), auto_time.get(r.spec.seed), every,
                    statics[r.spec.seed] if method_of(r).startswith("flex ") else []) for r in loaded]
-    write_csv(RESULTS / f"adaptive_{name}.csv", rows, float_format=".6g")
+    write_csv(RESULTS / f"adaptive_{stem}.csv", rows, float_format=".6g")
     per_seed = goals(rows)
     methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
     methods.sort(key=lambda m: (m.startswith("flex "), m))
@@ -313,16 +332,20 @@ def report(name: str, loaded: list[Run], other_rules: Sequence[str] = ()) -> Non
     sensitivity_table = md_table(
         ["target x dense's best", "method", "/ fastest static, median", "worst", "reached", "fastest static reached at, wall s"],
         sensitivity(loaded))
+    cap = "" if bucket_cap_mb is None else f" --bucket-cap-mb {bucket_cap_mb:g}"
+    buckets = ("DDP's default buckets (PowerSGD: one, as it needs on gloo)" if bucket_cap_mb is None else
+               f"every method with DDP buckets of {bucket_cap_mb:g} MiB (PowerSGD: one bucket either way)")
     text = (f"# Adaptive engine end to end: {group.model}, 2 ranks, {group.steps} steps, link {group.net}\n\n"
-            f"Command: `python benchmarks/adaptive_e2e.py --group {name}{''.join(' --also-rule ' + r for r in other_rules)}`; target 0.95 x dense's best per seed; "
+            f"Command: `python benchmarks/adaptive_e2e.py --group {name}{''.join(' --also-rule ' + r for r in other_rules)}{cap}`; "
+            f"{buckets}; target 0.95 x dense's best per seed; "
             f"full test set every {group.eval_every} steps.\n\n{headline}\n\n{table}\n\n{goal_table}\n\n"
             f"Mechanisms (`benchmarks/mechanisms.py`; an interval is {AGREEMENT_INTERVAL} steps; slow: median step over "
             f"1.5 x the fastest static's median step in the same phase of the link; plan changes above count "
             f"changes of the recorded step density, which also moves with flex's exchange plan):\n\n{mechanism_table}\n\n"
             f"The same runs at other targets (link schedule {group.net}, on the wall clock):\n\n{sensitivity_table}\n")
-    (RESULTS / f"adaptive_{name}.md").write_text(text)
+    (RESULTS / f"adaptive_{stem}.md").write_text(text)
     print(text)
-    _plot(name, rows, methods)
+    _plot(stem, rows, methods)
 
 
 def _plot(name: str, rows: list[dict[str, Any]], methods: list[str]) -> None:

@@ -96,6 +96,7 @@ class Spec:
     auto_rule: str | None = None  # --auto-rule; None: flexcomm-train's default (of the day the run ran)
     test_subset: int = TEST_SUBSET  # 10000: the full Fashion-MNIST test set
     app_defaults: bool = False  # density="auto" as a user runs it: no --auto-* flag but auto_rule's
+    bucket_cap_mb: float | None = None  # --bucket-cap-mb; None: DDP's default buckets
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # -- resolved settings -----------------------------------------------------------------------
@@ -147,6 +148,8 @@ class Spec:
             a += ["--auto-rule", self.auto_rule]
         if self.compressor == "powersgd":
             a += ["--powersgd-rank", str(self.powersgd_rank or 1)]
+        if self.bucket_cap_mb is not None:
+            a += ["--bucket-cap-mb", f"{self.bucket_cap_mb:g}"]
         return a
 
     @property

@@ -65,6 +65,7 @@ def out(tmp_path: Path) -> list[str]:
         (["--dataset", "npz"], "--dataset npz needs --data-dir"),
         (["--resume"], "--resume needs --out DIR"),
         (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
+        (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be in (0, inf), got 0"),
         pytest.param(["--device", "cuda"], "--device cuda, but torch sees no CUDA device",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     ],

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exchange dense for the first N steps; PowerSGD: at least 2 (default: %(default)s)")
     comm.add_argument("--powersgd-rank", type=int_at_least(1), metavar="R",
                       help="the factors' rank of PowerSGD (default: 1) and of --compressor lowrank (default: 4)")
+    comm.add_argument("--bucket-cap-mb", type=float_in(0.0, math.inf), metavar="MB",
+                      help="DDP's bucket_cap_mb: gradients are exchanged in buckets of about this many MiB "
+                           "(default: DDP's own, 25 with a 1 MiB first bucket); PyTorch's PowerSGD on gloo always "
+                           "gets one bucket holding every gradient (its collectives pair up only then)")
     comm.add_argument("--auto-warmup", type=int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
                       help="--density auto: dense steps before the controller's first decision; 0: it "
                            "decides at step 1, so a slow link runs sparse from step 1 or 2 (default: %(default)s)")
@@ -250,6 +254,7 @@ def _config_from(args: argparse.Namespace, net: str) -> TrainConfig:
         auto_rule=args.auto_rule,
         auto_min_gain=args.auto_min_gain,
         powersgd_rank=_factor_rank(args),
+        bucket_cap_mb=args.bucket_cap_mb,
         nproc=args.nproc,
         net=net,
         epochs=args.epochs,

@@ -82,6 +82,9 @@ class TimedHook:
         self._in_hook = 0.0
         self._last_return = 0.0
         self._tally = _BucketTally()
+        self._handed = 0
+        #: DDP buckets the last finished step handed over (0 before the first).
+        self.buckets = 0
 
     @property
     def is_flexcomm(self) -> bool:
@@ -116,6 +119,7 @@ class TimedHook:
         entered = perf_counter()
         if self._priming:
             return _completed(bucket.buffer())
+        self._handed += 1
         if self.is_flexcomm:
             fut = self._inner(self.state, bucket)
         else:
@@ -153,10 +157,12 @@ class TimedHook:
         self._in_hook = 0.0
         self._last_return = perf_counter()
         self._tally = _BucketTally()
+        self._handed = 0
 
     def end_step(self, backward_end: float) -> StepComm:
         """Summarise the step's exchanges; call right after backward returned."""
         tail = max(0.0, backward_end - self._last_return)
+        self.buckets = self._handed
         if self.is_flexcomm:
             return _summarise_records(self.state.drain_records(), self._in_hook, tail)
         tally = self._tally

@@ -156,8 +156,8 @@ class Trainer:
         model = build_model(cfg.model, arrays.num_classes, arrays.in_channels, arrays.image_size, cfg.width)
         self.param_count = count_parameters(model)
         device_ids = [me.device.index] if me.device.type == "cuda" else None
-        # PowerSGD on gloo needs one bucket (see flexcomm.train.baselines); everything else DDP's default.
-        buckets = bucket_cap_mb(cfg.compressor, me.backend, model)
+        # PowerSGD on gloo needs one bucket (see flexcomm.train.baselines); everything else as asked.
+        buckets = bucket_cap_mb(cfg.compressor, me.backend, model, cfg.bucket_cap_mb)
         self.ddp = DistributedDataParallel(model.to(me.device), device_ids=device_ids, bucket_cap_mb=buckets)
         self.hook = TimedHook(cfg)
         self.hook.register(self.ddp)
@@ -344,6 +344,7 @@ class Trainer:
             "backend": self.me.backend,
             "device": str(self.me.device),
             "torch_version": torch.__version__,
+            "buckets": self.hook.buckets,
             "leader_counts": self.hook.leader_counts,
             "density_decisions": self.hook.density_decisions,
             **summarize(read_records(self.run_dir), self.cfg.target_acc),

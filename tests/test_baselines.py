@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from flexcomm.train import baselines, cli
 from flexcomm.train.models import build_model
 
@@ -24,6 +26,9 @@ def test_powersgd_gets_one_bucket_on_gloo_only() -> None:
     assert baselines.bucket_cap_mb("powersgd", "gloo", model, 0.5) == math.ceil(grad_mib)
     assert baselines.bucket_cap_mb("powersgd", "nccl", model, 0.5) == 0.5
     assert baselines.bucket_cap_mb("agtopk", "gloo", model, 64.0) == 64.0
+    assert baselines.bucket_cap_mb("agtopk", "nccl", model, "one") == math.ceil(grad_mib)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB or 'one', got 'two'"):
+        baselines.bucket_cap_mb("agtopk", "gloo", model, "two")
 
 
 def _train(run: Path, *options: str) -> dict:
@@ -49,8 +54,8 @@ def test_powersgd_trains_on_gloo(tmp_path: Path) -> None:
 
 
 def test_bucket_cap_sets_ddps_buckets(tmp_path: Path) -> None:
-    """--bucket-cap-mb reaches DDP: DDP's default splits this model, a cap above its gradients' size does not."""
+    """--bucket-cap-mb reaches DDP: DDP's default splits this model, 'one' does not."""
     default = _train(tmp_path / "default", "--compressor", "agtopk")
-    capped = _train(tmp_path / "capped", "--compressor", "agtopk", "--bucket-cap-mb", "64")
+    capped = _train(tmp_path / "capped", "--compressor", "agtopk", "--bucket-cap-mb", "one")
     assert default["buckets"] > 1
-    assert capped["buckets"] == 1 and capped["config"]["bucket_cap_mb"] == 64.0
+    assert capped["buckets"] == 1 and capped["config"]["bucket_cap_mb"] == "one"

@@ -24,6 +24,7 @@ def test_demo_without_emulation_runs_both_on_loopback_and_says_so(
         config = json.loads((tmp_path / run / "config.json").read_text())
         assert (config["compressor"], config["density"], config["net"], config["steps"]) == (compressor, density, "none", 6)
         assert (config["model"], config["test_subset"]) == ("mlp", 64)  # the options after -- come last and win
+        assert config["bucket_cap_mb"] == "one" and json.loads((tmp_path / run / "summary.json").read_text())["buckets"] == 1
     assert config["powersgd_rank"] is None
     assert json.loads((tmp_path / "powersgd" / "config.json").read_text())["powersgd_rank"] == 4
     assert "time to 1.0% accuracy" in printed and "dense DDP" in printed and "PowerSGD r4" in printed

@@ -66,6 +66,7 @@ def out(tmp_path: Path) -> list[str]:
         (["--resume"], "--resume needs --out DIR"),
         (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
         (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be in (0, inf), got 0"),
+        (["--bucket-cap-mb", "all"], "argument --bucket-cap-mb: expected a number of MiB or 'one', got 'all'"),
         pytest.param(["--device", "cuda"], "--device cuda, but torch sees no CUDA device",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     ],

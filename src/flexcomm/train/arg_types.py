@@ -51,6 +51,17 @@ def density_or_auto(text: str) -> float | str:
     return float_in(0.0, 1.0)(text)
 
 
+def bucket_cap(text: str) -> float | str:
+    """``--bucket-cap-mb``: MiB in (0, inf), or ``"one"`` (one bucket holding every gradient)."""
+    if text.strip().lower() == "one":
+        return "one"
+    try:
+        float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or 'one', got {text!r}") from None
+    return float_in(0.0, math.inf)(text)
+
+
 def net_schedule(text: str) -> str:
     """``--net``: ``"auto"``, ``"none"`` or a bandwidth schedule netem's own parser accepts."""
     if text.strip().lower() in ("auto", "none"):

@@ -55,18 +55,20 @@ def hook_function(compressor: str) -> Any:
     raise ValueError(f"{compressor!r} is not one of PyTorch's hooks")
 
 
-def bucket_cap_mb(compressor: str, backend: str, model: nn.Module, requested: float | None = None) -> float | None:
-    """DDP's ``bucket_cap_mb`` for this run: ``requested`` (``None``: DDP's default), except PowerSGD on gloo.
+def bucket_cap_mb(compressor: str, backend: str, model: nn.Module, requested: float | str | None = None) -> float | None:
+    """DDP's ``bucket_cap_mb`` for this run: ``requested`` (``None``: DDP's default; ``"one"``: one bucket),
+    except PowerSGD on gloo, which gets one bucket holding every gradient whatever was requested (see the
+    module docstring).
 
-    PowerSGD on gloo gets one bucket holding every gradient (see the module docstring),
-    whatever was requested.  DDP uses the cap for the first bucket too when it is given
-    explicitly, so a cap of at least the gradients' size (rounded up to whole MiB) means
-    exactly one bucket.
+    DDP uses the cap for the first bucket too when it is given explicitly, so a cap of at least the
+    gradients' size (rounded up to whole MiB) means exactly one bucket.
     """
-    if compressor != "powersgd" or backend != "gloo":
-        return requested
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return max(1, math.ceil(grad_bytes / _MB))
+    if requested == "one" or (compressor == "powersgd" and backend == "gloo"):
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return max(1, math.ceil(grad_bytes / _MB))
+    if isinstance(requested, str):
+        raise ValueError(f"bucket_cap_mb must be a number of MiB or 'one', got {requested!r}")
+    return requested
 
 
 _POWERSGD_FIELDS = (

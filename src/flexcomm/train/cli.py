@@ -29,7 +29,7 @@ from flexcomm.compress.lowrank import DEFAULT_RANK
 from flexcomm.control import RULES
 from flexcomm.netem import MAX_HOSTS, netem_available
 from flexcomm.train import checkpoint
-from flexcomm.train.arg_types import density_or_auto, float_in, int_at_least, net_schedule
+from flexcomm.train.arg_types import bucket_cap, density_or_auto, float_in, int_at_least, net_schedule
 from flexcomm.train.config import TORCH_COMPRESSORS, TrainConfig, available_compressors
 from flexcomm.train.rank_data import (
     DATASETS,
@@ -93,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exchange dense for the first N steps; PowerSGD: at least 2 (default: %(default)s)")
     comm.add_argument("--powersgd-rank", type=int_at_least(1), metavar="R",
                       help="the factors' rank of PowerSGD (default: 1) and of --compressor lowrank (default: 4)")
-    comm.add_argument("--bucket-cap-mb", type=float_in(0.0, math.inf), metavar="MB",
-                      help="DDP's bucket_cap_mb: gradients are exchanged in buckets of about this many MiB "
-                           "(default: DDP's own, 25 with a 1 MiB first bucket); PyTorch's PowerSGD on gloo always "
-                           "gets one bucket holding every gradient (its collectives pair up only then)")
+    comm.add_argument("--bucket-cap-mb", type=bucket_cap, metavar="MB",
+                      help="DDP's bucket_cap_mb: gradients are exchanged in buckets of about this many MiB, or "
+                           "'one' for one bucket holding every gradient (default: DDP's own, 25 with a 1 MiB first "
+                           "bucket); PyTorch's PowerSGD on gloo always gets one bucket (its collectives pair up only then)")
     comm.add_argument("--auto-warmup", type=int_at_least(0), default=_DEFAULTS.auto_warmup, metavar="N",
                       help="--density auto: dense steps before the controller's first decision; 0: it "
                            "decides at step 1, so a slow link runs sparse from step 1 or 2 (default: %(default)s)")

@@ -51,7 +51,7 @@ class TrainConfig:
     auto_rule: str = "goodput"
     auto_min_gain: float = 0.7
     powersgd_rank: int | None = None
-    bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb; None: DDP's default (one bucket for PowerSGD on gloo)
+    bucket_cap_mb: float | str | None = None  # DDP's bucket_cap_mb, "one": one bucket; None: DDP's default
     nproc: int = 2
     net: str = "auto"
     steps: int | None = None

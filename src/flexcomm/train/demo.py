@@ -5,7 +5,11 @@ Three ``flexcomm-train`` runs with the same model, data, seed and step count: pl
 (rank 4, its standard error feedback and warm start) and flexcomm as a user turns it on
 (``--compressor flex --density auto``: per bucket the exchange, and the density, that the
 measured network and the gradients call for).  The model is an MLP with two wide hidden
-layers: little compute per parameter, so the network decides how fast it trains.  Each
+layers: little compute per parameter, so the network decides how fast it trains.  Every run
+has one DDP bucket holding every gradient (``--bucket-cap-mb one``, :data:`DEMO_BUCKETS`), the
+layout PyTorch's PowerSGD needs on gloo, so the three differ in their exchange alone (DDP's default
+gives this MLP two buckets, and on a host with a core per rank a second bucket costs more than its
+overlap saves: see ``benchmarks/adaptive_e2e.py``, "Buckets").  Each
 rank is its own emulated host; the link's bandwidth follows :data:`DEMO_SCHEDULE` from the
 moment training starts (root is needed; elsewhere the runs fall back to plain loopback and
 say so: there the network is fast and dense DDP has little to lose).
@@ -36,6 +40,8 @@ from flexcomm.train.records import FINAL_EVALS, final_accuracy, read_records, re
 DEMO_SCHEDULE = "100mbit:5s,20mbit:15s,100mbit"
 DEMO_MODEL = ["--model", "mlp", "--width", "0.5"]  # 669,706 parameters: 2.7 MB of gradients per step
 DEFAULT_STEPS = 300
+#: Every run's DDP buckets: one (what PowerSGD needs on gloo); options after ``--`` may say otherwise.
+DEMO_BUCKETS = ["--bucket-cap-mb", "one"]
 #: The time to target is compared at this fraction of dense's best accuracy (unless --target-acc).
 TARGET_FRACTION = 0.95
 FULL_TEST_SET = "10000"
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         flexcomm_name: (out / "flexcomm", ["--compressor", args.compressor, "--density", args.density]),
     }
     common = [*DEMO_MODEL, "--steps", str(args.steps), "--eval-every", str(EVAL_EVERY), "--test-subset", FULL_TEST_SET,
-              "--net", net, "--no-report", *passed_on]
+              "--net", net, "--no-report", *DEMO_BUCKETS, *passed_on]
     for name, (run_dir, exchange) in runs.items():
         print(f"\nflexcomm-demo: {name}", flush=True)
         cli.main([*common, *exchange, "--out", str(run_dir)])

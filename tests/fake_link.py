@@ -63,6 +63,7 @@ class FakeLink:
         if identity:
             patch(importlib.import_module("flexcomm.control.agreement_point"), "allreduce_floats_async",
                   lambda values, group, op: PendingFloats.completed(values))
+            patch(planner, "allreduce_floats", lambda values, group, op: list(values))
 
     @property
     def params(self) -> CostParams:

@@ -243,6 +243,66 @@ def test_a_resumed_run_takes_the_decisions_of_the_uninterrupted_one() -> None:
     assert len(after) > 1, "no density change after the resume to compare"
 
 
+# ---------------------------------------------------------------- all-dense steps chosen on stale measurements, cut short
+
+DENSE = {"dense", "dense16"}
+
+
+def _sparse_then_drop(patch: Callable, drop_at: int, steps: int = 110, identity: bool = True, rank: int = 0,
+                      resume_after: int | None = None) -> list[tuple[float, str]]:
+    """flex at 0.01 on one bucket, 10 Gbit/s until ``drop_at``, then 100 Mbit/s.  AG-Topk's 16 KB messages
+    are below the probes' sizes: the fit does not see the drop, dense keeps its 10 Gbit/s rating."""
+    link = FakeLink(patch, rate_bps=10e9, compute=0.005, select=0.0002, identity=identity, jitter=0.0005 * rank)
+    planner = make_planner(None, None, density=0.01)
+    if resume_after is None:
+        return link.run(planner, range(steps), rates={drop_at: 100e6})
+    ran = link.run(planner, range(resume_after + 1), rates={drop_at: 100e6})
+    buffer = io.BytesIO()
+    torch.save(planner.state_dict(), buffer)
+    buffer.seek(0)
+    link.clock += 5.0
+    planner = make_planner(None, None, density=0.01)
+    planner.load_state_dict(torch.load(buffer, weights_only=True))
+    return ran + link.run(planner, range(resume_after + 1, steps))
+
+
+def test_an_all_dense_plan_made_on_stale_measurements_runs_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The drop (step 74) slows the sparse pairs that ran; dense, not run since, keeps its fast
+    # calibration, and the plan of step 90 is fp32 dense: 69 ms steps against 7 ms.  All 10 steps of
+    # the interval ran it; now the first one's period cuts it, and AR-Topk (the step before) runs
+    # until the next agreement point, which has the dense step's collective in the fit.
+    ran = [exchange for _, exchange in _sparse_then_drop(monkeypatch.setattr, 74)]
+    assert ran[90] == "dense" and ran[89] not in DENSE
+    assert not DENSE & set(ran[91:])
+    assert set(ran[91:100]) == {ran[89]}
+
+
+def test_a_guard_trial_after_an_unseen_drop_runs_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = [exchange for _, exchange in _sparse_then_drop(monkeypatch.setattr, 48)]
+    assert ran[50] == "dense16"  # the guard's trial, rated by a model that still sees 10 Gbit/s
+    assert not DENSE & set(ran[51:])  # its 2 other steps (and every later one) run sparse
+
+
+def test_trials_on_an_unchanged_link_keep_their_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = [exchange for _, exchange in _sparse_then_drop(monkeypatch.setattr, 10_000)]
+    trials = [step for step, exchange in enumerate(ran) if exchange == "dense16"]
+    assert trials[:6] == [20, 25, 26, 27, 50, 51]  # a dense16 exploration at 20, then 3-step trials
+    assert ran[52] == "dense16"
+
+
+def _cut_on_ranks(rank: int, world: int, resume_after: int | None) -> list[tuple[float, str]]:
+    return _sparse_then_drop(setattr, 74, steps=104, identity=False, rank=rank, resume_after=resume_after)
+
+
+def test_ranks_cut_alike_and_a_resumed_run_holds_the_same_steps() -> None:
+    # Real allreduces between 2 ranks (rank 1's steps jitter): the check runs at the same step on both;
+    # a checkpoint after the cut (step 92) restores the held exchanges.
+    straight = run_world(_cut_on_ranks, 2, None, timeout_s=60.0)
+    resumed = run_world(_cut_on_ranks, 2, 92, timeout_s=60.0)
+    assert straight[0] == straight[1] == resumed[0] == resumed[1]
+    assert [exchange for _, exchange in straight[0]][90:92] == ["dense", straight[0][89][1]]
+
+
 # ---------------------------------------------------------------- a minimum dwell, a link change at once (cause 5)
 
 GAINS = [1.0, 0.9, 0.7, 0.5, 0.3, 0.2]

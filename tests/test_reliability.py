@@ -70,7 +70,8 @@ def _train_steps(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range
 
 # flex decides from measured times, which differ between the two runs; it takes no new
 # decision in steps 5-7 (it agrees on measurements at steps 1, 2, 4, 8 and every
-# flex_interval; explores at multiples of 10; guard trials at steps 0-2 mod 25), so from a
+# flex_interval; explores at multiples of 10; guard trials at steps 0-2 mod 25; checks an
+# all-dense step 4 at step 5 on step 4's samples, which the checkpoint holds), so from a
 # checkpoint after step 5 a correct restore reproduces steps 5-7 bit for bit.
 RESUME_AT, END = 5, 8
 

@@ -102,6 +102,8 @@ class ExchangeChooser:
         # The same back-off for the guard's trials: whether a trial's period came in since the last replan.
         self._guard_seen = False
         self._guard_scale = 1
+        # bucket -> exchange held until the next replan (see hold).
+        self._held: dict[int, str] = {}
 
     def settings(self) -> dict[str, object]:
         """Every option that changes a plan: ranks whose settings differ would plan differently."""
@@ -173,6 +175,7 @@ class ExchangeChooser:
         """
         if not self.order:
             return
+        self._held = {}
         before, density_before = dict(self.plan), self.plan_density
         self.plan_density = density
         costs = self.step_costs(density, world)
@@ -199,6 +202,11 @@ class ExchangeChooser:
                          or density != density_before)
         self._guard_scale = backed_off(self._guard_scale, guard_changed, False, self._guard_seen)
         self._guard_seen = False
+
+    def hold(self, exchanges: Mapping[int, str]) -> None:
+        """Run ``exchanges`` (bucket -> exchange) until the next replan, no trial nor exploration: all-dense steps
+        that turned out far too slow for what chose them (:mod:`flexcomm.control.dense_check`)."""
+        self._held = {b: e for b, e in exchanges.items() if b in self.plan}
 
     def _is_guard_plan(self, exchanges: Iterable[str]) -> bool:
         """Whether a plan's ``exchanges`` are the guard's all-dense steps (no exchanges: no plan, not those)."""
@@ -268,6 +276,8 @@ class ExchangeChooser:
         """The exchange of ``bucket`` at ``step``: the plan, an exploration, or (unknown bucket) the cheapest alone."""
         if bucket not in self.plan:
             return min(EXCHANGE_ORDER, key=self.costs(bucket, density, world).total)
+        if bucket in self._held:
+            return self._held[bucket]
         measured = self.measured_steps.get("other")
         trial = guard_trial(step, self.guard_every * self._guard_scale, self.plan, self._simulated_plan, self._guard_plan(),
                             lambda: self._trial_costs(density, world), measured[0] if measured else None)
@@ -365,7 +375,7 @@ class ExchangeChooser:
                 "wanted": dict(self._wanted), "explore_scale": self._explore_scale,
                 "explored": None if self._explored is None else list(self._explored),
                 "exploration_seen": self._exploration_seen, "guard_scale": self._guard_scale,
-                "guard_seen": self._guard_seen}
+                "guard_seen": self._guard_seen, "held": dict(self._held)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; keys absent from older checkpoints load empty or at their defaults."""
@@ -384,3 +394,4 @@ class ExchangeChooser:
         self._exploration_seen = bool(state.get("exploration_seen", False))
         self._guard_scale = int(state.get("guard_scale", 1))
         self._guard_seen = bool(state.get("guard_seen", False))
+        self._held = {int(b): str(e) for b, e in state.get("held", {}).items()}

@@ -4,7 +4,9 @@
 every rank in the same order:
 
 ``begin_step(step)``        at a step's first bucket, before any of its exchanges: the
-                            finished step is closed, a due probe runs, and at an
+                            finished step is closed (if it began all-dense steps, one
+                            allreduce checks it: :mod:`flexcomm.control.dense_check`),
+                            a due probe runs, and at an
                             agreement point the agreed values are read and the
                             decisions taken (exchange plan, density);
 ``plan(bucket, numel, value_bytes, step, factor_size) -> Plan``
@@ -68,8 +70,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexcomm.comm import probe_collectives
+from flexcomm.comm import allreduce_floats, probe_collectives
 from flexcomm.compress import TopkWorkspace
+from flexcomm.control.dense_check import TOO_SLOW, DenseCheck, slowdown
 from flexcomm.control.density import DensityController
 from flexcomm.control.exchange import ExchangeChooser
 from flexcomm.control.gain_curve import GainCurve
@@ -143,6 +146,7 @@ class StepPlanner:
         self._expected: list[tuple[int, int]] = []
         # Whole-step periods since the last agreement point.
         self._recent = RecentPeriods()
+        self._dense_check = DenseCheck()
         self._simulated = 0.0
         # The buckets planned in this step (a rebuild can drop some).
         self._step_buckets: set[int] = set()
@@ -185,7 +189,11 @@ class StepPlanner:
         """A step's first bucket, when none of its exchanges is issued: probe, read the agreement, decide."""
         if not self.estimating:
             return
-        self._close_step()
+        entered, closed = self._close_step()
+        if self.exchange is None and self._dense_check.closed(entered):  # see flexcomm.control.dense_check
+            local = slowdown(sum(s.service for s in closed), self.chooser.measured_steps.get("other"))
+            if allreduce_floats([local], self.group, dist.ReduceOp.MIN)[0] > TOO_SLOW:
+                self.chooser.hold(self._dense_check.fallback)
         # Buckets the last step did not have are gone (DDP rebuilt fewer): nothing may plan them.
         if self._step_buckets:
             self.chooser.forget(set(self.chooser.sizes) - self._step_buckets)
@@ -246,8 +254,10 @@ class StepPlanner:
             self._pending, self._expected = [], []
             self._recent.clear()
 
-    def _close_step(self) -> None:
-        """Move the finished step's samples and period to the pending measurements."""
+    def _close_step(self) -> tuple[dict[int, str], list[LocalSample]]:
+        """Move the finished step's samples and period to the pending measurements; return its exchanges (the
+        same on every rank) and samples (none where an exchange never reported)."""
+        entered = self._log.exchanges()
         expected = self._log.keys()
         closed = self._log.close()
         self._expected += expected
@@ -261,6 +271,7 @@ class StepPlanner:
         guard = self.chooser.guard_exchange
         ended = (all(s.exchange == guard for s in closed), closed[0].density, self._simulated) if kept else None
         self._recent.step_began(perf_counter(), ended)
+        return entered, closed
 
     def _agrees_at(self, step: int) -> bool:
         """Every ``flex_interval`` steps, and at steps 1, 2, 4, ... before the first such step:
@@ -377,6 +388,7 @@ class StepPlanner:
             **self._recent.state_dict(perf_counter()),
             "simulated": self._simulated,
             "explored_step": self._explored_step,
+            **self._dense_check.state_dict(),
             "open_step": self._log.state_dict(),
             "agreement": None if self._agreement is None else self._agreement.state_dict(),
         }
@@ -395,6 +407,7 @@ class StepPlanner:
         self._recent.load_state_dict(state, perf_counter())
         self._simulated = state["simulated"]
         self._explored_step = state.get("explored_step")  # absent from states saved before it was kept
+        self._dense_check.load_state_dict(state)
         self._log.load_state_dict(state["open_step"])
         agreement = state.get("agreement")  # absent from states saved before agreements were issued early
         self._agreement = None if agreement is None else AgreementPoint.from_state(agreement)

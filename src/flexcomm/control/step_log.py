@@ -106,6 +106,10 @@ class StepLog:
         if entry is not None:
             entry.quality = quality
 
+    def exchanges(self) -> dict[int, str]:
+        """bucket -> exchange of every exchange entered this step: the same on every rank."""
+        return {b: e.exchange for b, e in self._entries.items()} if self._step is not None else {}
+
     def keys(self) -> list[tuple[int, int]]:
         """``(step, bucket)`` of every exchange entered this step: the same list on every rank."""
         return sorted((self._step, b) for b in self._entries) if self._step is not None else []

@@ -290,6 +290,18 @@ def test_trials_on_an_unchanged_link_keep_their_steps(monkeypatch: pytest.Monkey
     assert ran[52] == "dense16"
 
 
+def test_a_step_to_density_one_is_not_cut_back_to_a_sparse_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    # auto moves from 0.01 to 1.0 on a slow link: the first dense step is far slower than the sparse
+    # plan's, but it is the controller's choice.  Holding the sparse exchanges of the step before ran
+    # AG-Topk at density 1.0 (every value and index: 720 ms steps at 100 Mbit/s where dense took 120).
+    link = FakeLink(monkeypatch.setattr, rate_bps=100e6, compute=0.005, select=0.0002)
+    controller = DensityController(CANDIDATES, warmup_steps=0, measure_every=10)
+    forced(controller, lambda step: 0.011 if step < 40 else 1.0)
+    ran = link.run(make_planner(None, controller), range(60))
+    assert ran[39][0] == 0.011 and ran[39][1] not in DENSE
+    assert all(density == 1.0 and exchange in DENSE for density, exchange in ran[40:50])
+
+
 def _cut_on_ranks(rank: int, world: int, resume_after: int | None) -> list[tuple[float, str]]:
     return _sparse_then_drop(setattr, 74, steps=104, identity=False, rank=rank, resume_after=resume_after)
 

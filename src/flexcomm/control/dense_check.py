@@ -38,16 +38,19 @@ class DenseCheck:
     """The exchanges of the last step that was not all-dense, and whether the step just closed began an all-dense stretch."""
 
     def __init__(self) -> None:
-        self._before: dict[int, str] = {}
+        self._before: dict[int, tuple[str, float]] = {}
         self._all_dense = False
 
-    def closed(self, exchanges: Mapping[int, str]) -> bool:
-        """Fold in the step that just closed (bucket -> exchange entered; empty: no step).  True when it was the
-        first all-dense step after one that was not: its period is to be checked."""
+    def closed(self, exchanges: Mapping[int, tuple[str, float]]) -> bool:
+        """Fold in the step that just closed (bucket -> (exchange, density) entered; empty: no step).  True when
+        it was the first all-dense step after one that was not, at the same density: a new density (``auto``
+        chose 1.0) is the controller's to judge, and the exchanges of the step before would not fit it (AG-Topk
+        at density 1.0 sends every index too: 720 ms steps at 100 Mbit/s where dense took 120)."""
         if not exchanges:
             return False
-        all_dense = set(exchanges.values()) <= DENSE_EXCHANGES
-        first = all_dense and not self._all_dense and bool(self._before)
+        all_dense = {e for e, _ in exchanges.values()} <= DENSE_EXCHANGES
+        same_density = {d for _, d in exchanges.values()} == {d for _, d in self._before.values()}
+        first = all_dense and not self._all_dense and same_density
         if not all_dense:
             self._before = dict(exchanges)
         self._all_dense = all_dense
@@ -56,14 +59,14 @@ class DenseCheck:
     @property
     def fallback(self) -> dict[int, str]:
         """The exchanges of the last step that was not all-dense."""
-        return dict(self._before)
+        return {b: e for b, (e, _) in self._before.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dense_before": [[b, e] for b, e in sorted(self._before.items())], "dense_run": self._all_dense}
+        return {"dense_before": [[b, e, d] for b, (e, d) in sorted(self._before.items())], "dense_run": self._all_dense}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (absent from states saved before it was kept: nothing to check against)."""
-        self._before = {int(b): str(e) for b, e in state.get("dense_before", [])}
+        self._before = {int(b): (str(e), float(d)) for b, e, d in state.get("dense_before", [])}
         self._all_dense = bool(state.get("dense_run", False))
 
 

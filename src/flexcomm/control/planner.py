@@ -254,7 +254,7 @@ class StepPlanner:
             self._pending, self._expected = [], []
             self._recent.clear()
 
-    def _close_step(self) -> tuple[dict[int, str], list[LocalSample]]:
+    def _close_step(self) -> tuple[dict[int, tuple[str, float]], list[LocalSample]]:
         """Move the finished step's samples and period to the pending measurements; return its exchanges (the
         same on every rank) and samples (none where an exchange never reported)."""
         entered = self._log.exchanges()

@@ -106,9 +106,9 @@ class StepLog:
         if entry is not None:
             entry.quality = quality
 
-    def exchanges(self) -> dict[int, str]:
-        """bucket -> exchange of every exchange entered this step: the same on every rank."""
-        return {b: e.exchange for b, e in self._entries.items()} if self._step is not None else {}
+    def exchanges(self) -> dict[int, tuple[str, float]]:
+        """bucket -> (exchange, density) of every exchange entered this step: the same on every rank."""
+        return {b: (e.exchange, e.density) for b, e in self._entries.items()} if self._step is not None else {}
 
     def keys(self) -> list[tuple[int, int]]:
         """``(step, bucket)`` of every exchange entered this step: the same list on every rank."""

@@ -47,6 +47,7 @@ MLP's 2.7 MB: results in ``adaptive_<group>_cap<MB>mb.*``.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from common import figure, save, write_csv
 from runs import RESULTS, Run, Spec, fmt, load, md_table, time_to_target
 
 from flexcomm.control.density import RULES
+from flexcomm.train.arg_types import float_in
 from flexcomm.train.records import FINAL_EVALS, final_accuracy
 
 FULL_TEST_SET = 10_000
@@ -109,7 +111,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default: %(default)s)")
     ap.add_argument("--also-rule", action="append", default=[], choices=RULES, metavar="RULE",
                     help="also run flex + auto with --auto-rule RULE (repeatable; tabulated beside the default)")
-    ap.add_argument("--bucket-cap-mb", type=float, metavar="MB",
+    ap.add_argument("--bucket-cap-mb", type=float_in(0.0, math.inf), metavar="MB",
                     help="every run with DDP buckets of this many MiB (flexcomm-train --bucket-cap-mb; default: DDP's "
                          "own; PowerSGD on gloo has one bucket either way); results go to adaptive_<group>_cap<MB>mb.*")
     ap.add_argument("--report-only", action="store_true", help="run nothing; tabulate the runs there are")
@@ -120,8 +122,6 @@ def main() -> None:
     except ValueError:
         ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     group = GROUPS[args.group]
-    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
-        ap.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb:g}")
     todo = specs(group, seeds, args.also_rule, args.bucket_cap_mb)
     if args.dry_run:
         for s in todo:
